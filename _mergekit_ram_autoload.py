@@ -1,0 +1,98 @@
+"""Start-up hook that makes `merge_method: ram/ramplus` work in plain mergekit.
+
+Run from mergekit_ram_autoload.pth at interpreter start. Standard library only
+and nothing imported until mergekit itself is: a meta-path finder waits for
+mergekit's method registry, planner and merge modules to finish loading, then
+hands over to mergekit_ram.install. It never raises; MERGEKIT_RAM_AUTOLOAD=0
+switches it off.
+"""
+
+import os
+import sys
+
+WATCHED = ("mergekit.merge_methods", "mergekit.plan", "mergekit.merge")
+_loading = set()
+_warned = []
+
+
+def loading(name):
+    """Whether a watched module's import is still running."""
+    return name in _loading
+
+
+def busy():
+    """Whether any watched module's import is still running."""
+    return bool(_loading)
+
+
+def enabled():
+    value = os.environ.get("MERGEKIT_RAM_AUTOLOAD", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def _loaded(name):
+    if not enabled():
+        return
+    try:
+        from mergekit_ram.install import install
+
+        install(eager=False)
+    except Exception as error:  # a start-up hook must never break mergekit
+        if not _warned:
+            _warned.append(error)
+            sys.stderr.write(
+                f"mergekit-ram: autoload failed after importing {name}: {error}\n"
+                "mergekit-ram: `merge_method: ram/ramplus` may be stock or missing; "
+                "`import mergekit_ram` shows the full error.\n"
+            )
+
+
+class _Loader:
+    def __init__(self, inner, name):
+        self._inner = inner
+        self._name = name
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        _loading.add(self._name)
+        try:
+            self._inner.exec_module(module)
+        finally:
+            _loading.discard(self._name)
+        _loaded(self._name)
+
+
+class _Finder:
+    """Wraps the loaders of the watched mergekit modules; finds nothing itself."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in WATCHED:
+            return None
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _Loader(spec.loader, name)
+                    return spec
+        except Exception:
+            return None
+        return None
+
+
+def activate():
+    try:
+        if enabled() and not any(isinstance(f, _Finder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _Finder())
+    except Exception:
+        pass
+
+
+activate()

@@ -1,0 +1,105 @@
+"""Put our methods into mergekit: the registry, the planner and the card.
+
+mergekit 0.1.5 has no plugin discovery, so this writes into its registry
+table (taking over `ram` on purpose: stock `ram` ignores r/alpha, ours equals
+it at defaults) and wraps two planner methods and the card generator. Every
+step is idempotent and checks that the host still looks as expected, failing
+with IncompatibleMergekit otherwise rather than half-working.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import _mergekit_ram_autoload as autoload
+
+SUPPORTED = "mergekit>=0.1.5,<0.2"
+
+
+class IncompatibleMergekit(RuntimeError):
+    """The installed mergekit does not look like the one this plugin targets."""
+
+
+def _incompatible(what: str) -> IncompatibleMergekit:
+    return IncompatibleMergekit(
+        f"mergekit-ram cannot install into this mergekit: {what}. It supports "
+        f"{SUPPORTED}; install a supported mergekit or a mergekit-ram release "
+        "made for yours."
+    )
+
+
+def register_methods() -> None:
+    """Register `ram` (replacing stock) and `ramplus`; a no-op when done."""
+    from mergekit.merge_methods import ram as stock_ram
+    from mergekit.merge_methods import registry
+
+    from mergekit_ram.method import METHODS, RAMMerge
+
+    table = getattr(registry, "_METHODS", None)
+    if not isinstance(table, dict) or not callable(getattr(registry, "get", None)):
+        raise _incompatible("mergekit.merge_methods.registry has no _METHODS table")
+    for method in METHODS:
+        current = table.get(method.spec.name)
+        replaceable = current is None or isinstance(current, RAMMerge)
+        if method.spec.name == "ram":
+            replaceable = replaceable or current is stock_ram.ram_merge
+        if not replaceable:
+            raise _incompatible(
+                f"merge method {method.spec.name!r} is already registered by "
+                f"{type(current).__module__}"
+            )
+        table[method.spec.name] = method
+
+
+def patch_planner(plan: ModuleType) -> None:
+    """Wrap MergePlanner._plan / plan_to_disk for whole-model statistics."""
+    from mergekit_ram.planning import patched_plan, patched_plan_to_disk
+
+    for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
+        planner = getattr(plan, "MergePlanner", None)
+        current = getattr(planner, name, None)
+        if not callable(current):
+            raise _incompatible(f"MergePlanner.{name} is missing")
+        if not hasattr(current, "__mergekit_ram__"):
+            setattr(planner, name, wrap(current))
+
+
+def patch_card(merge: ModuleType) -> None:
+    """Add the RAM+ statistics section to mergekit's model card."""
+    from mergekit_ram.planning import statistics_for_card
+    from mergekit_ram.report import card_section
+
+    original = getattr(merge, "generate_card", None)
+    if not callable(original):
+        raise _incompatible("mergekit.merge.generate_card is missing")
+    if hasattr(original, "__mergekit_ram__"):
+        return
+
+    def generate_card(config, config_yaml, name=None):
+        card = original(config=config, config_yaml=config_yaml, name=name)
+        result = statistics_for_card(config)
+        return card if result is None else card + card_section(*result)
+
+    generate_card.__mergekit_ram__ = original
+    merge.generate_card = generate_card
+
+
+PATCHES = (("mergekit.plan", patch_planner), ("mergekit.merge", patch_card))
+
+
+def install(eager: bool = True) -> None:
+    """Register the methods and patch what of mergekit is loaded.
+
+    With eager=False (called while mergekit is still importing) a module that
+    is not completely loaded yet is left for the autoload hook to patch when
+    its import finishes.
+    """
+    register_methods()
+    for module, patch in PATCHES:
+        loaded = module in sys.modules and not autoload.loading(module)
+        if loaded or eager:
+            # sys.modules first: a module whose import just finished is not yet
+            # an attribute of its package, and `import a.b` would fail on it.
+            patch(sys.modules.get(module) or importlib.import_module(module))

@@ -1,0 +1,130 @@
+"""`ram` and `ramplus` as mergekit merge methods (declarative spec + kernel call)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional
+
+import torch
+from mergekit.merge_methods.base import (
+    BasePolicy,
+    GroupMergeMethod,
+    InputContract,
+    MergeMethodSpec,
+    ParameterScope,
+    ParameterSpec,
+    PerInputValues,
+    TensorGroup,
+)
+from pydantic import Field
+
+from mergekit_ram.kernel import ram_merge_tensor
+from mergekit_ram.scale import ScaleRule
+
+REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+PARAMETER_HELP = {
+    "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
+    "r": "RAM+ strength; 0 is plain RAM",
+    "alpha": "cap on the shared/unique ratio (clip rule)",
+    "saturation": "clip (paper Eq. 6) or soft (λ = 1 + r·S/C)",
+    "statistics": "global (whole model, the paper) or tensor (per tensor)",
+    "unique_scale": "explicit λ for this task model; skips its statistics",
+}
+
+
+class GlobalStatisticsMissing(RuntimeError):
+    """A global-scope RAM+ tensor reached the kernel without its λ."""
+
+
+@dataclass(frozen=True)
+class RAMMerge(GroupMergeMethod):
+    """Reinforced Agent Merging; r = 0 is RAM, r > 0 RAM+."""
+
+    spec: MergeMethodSpec
+
+    def merge_group(
+        self,
+        group: TensorGroup,
+        /,
+        *,
+        epsilon: float,
+        r: float,
+        alpha: float,
+        saturation: str,
+        statistics: str,
+        unique_scale: PerInputValues[float | None],
+    ) -> torch.Tensor:
+        if group.base is None:
+            raise ValueError(f"{self.spec.name} needs a base model")
+        tasks = group.non_base
+        rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+        scales = []
+        for entry in tasks:
+            explicit = unique_scale.get(entry.id)
+            if explicit is not None:
+                scales.append(explicit)
+            elif r == 0:
+                scales.append(1.0)
+            elif statistics == "tensor":
+                scales.append(None)
+            else:
+                raise GlobalStatisticsMissing(
+                    f"{self.spec.name} with statistics: global needs whole-model "
+                    f"statistics before {group.metadata.name or 'this tensor'} is "
+                    "merged, and none were computed on this path (it bypassed the "
+                    "mergekit planner hook of mergekit-ram). Use mergekit-yaml or "
+                    "mergekit_ram.run_merge / merge_state_dicts / merge_tensors, "
+                    "set unique_scale per model, or set statistics: tensor."
+                )
+        return ram_merge_tensor(
+            group.base.tensor,
+            [entry.tensor for entry in tasks],
+            epsilon=epsilon,
+            scales=scales,
+            scale_fn=lambda _index, hist: rule.scale(
+                int(hist.sum() - hist[0]), int(hist[0])
+            ),
+        )
+
+
+def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
+    def shared(param: str, value_type: Any, default: Any) -> ParameterSpec:
+        return ParameterSpec(
+            param,
+            value_type,
+            ParameterScope.SHARED,
+            default,
+            description=PARAMETER_HELP[param],
+        )
+
+    return MergeMethodSpec(
+        name=name,
+        parameters=(
+            shared("epsilon", NonNegative, 1e-5),
+            shared("r", NonNegative, r),
+            shared("alpha", NonNegative, 2.0),
+            shared("saturation", Literal["clip", "soft"], "clip"),
+            shared("statistics", Literal["global", "tensor"], "global"),
+            ParameterSpec(
+                "unique_scale",
+                Optional[NonNegative],
+                ParameterScope.NON_BASE,
+                None,
+                description=PARAMETER_HELP["unique_scale"],
+            ),
+        ),
+        contract=InputContract(base=BasePolicy.REQUIRED),
+        pretty_name=pretty_name,
+        reference_url=REFERENCE_URL,
+    )
+
+
+ram = RAMMerge(_spec("ram", "Reinforced Agent Merging (RAM)", 0.0))
+ramplus = RAMMerge(_spec("ramplus", "Reinforced Agent Merging Plus (RAM+)", 0.1))
+METHODS = (ram, ramplus)
+
+
+def is_ours(name: str) -> bool:
+    return name in {method.spec.name for method in METHODS}

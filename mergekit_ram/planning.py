@@ -1,0 +1,150 @@
+"""Global RAM+ inside mergekit's planner: count, then hand λ to every merge task.
+
+`MergePlanner._plan` is wrapped so that, once mergekit has planned a `ram` or
+`ramplus` merge, the statistics pass runs over the planner's own gather tasks
+and each planned merge task gets the resulting λ as its models'
+`unique_scale`. Every entry point (mergekit-yaml, mergekit-ram merge, the
+Python run_merge) plans through this class, so all of them compute the same
+numbers. `plan_to_disk` additionally gets a last task that writes
+ram_statistics.json once the model has been finalized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import immutables
+from mergekit.graph import Task
+from mergekit.io.tasks import FinalizeModel
+from mergekit.plan import MergePlanner
+
+from mergekit_ram.method import is_ours
+from mergekit_ram.report import STATISTICS_FILE, statistics_document
+from mergekit_ram.settings import MergeSettings
+from mergekit_ram.statistics import collect_planned
+
+# Statistics of finished plans, for the model card (keyed by config identity).
+PENDING_CARDS: dict[int, tuple] = {}
+
+
+class WriteStatistics(Task[None]):
+    """Write ram_statistics.json after the weights are finalized."""
+
+    out_path: str
+    document: str
+    finalize: FinalizeModel
+
+    def arguments(self) -> dict[str, Task]:
+        return {"finalize": self.finalize}
+
+    def execute(self, **_kwargs: Any) -> None:
+        with open(
+            os.path.join(self.out_path, STATISTICS_FILE), "w", encoding="utf-8"
+        ) as handle:
+            handle.write(self.document)
+
+    def main_thread_only(self) -> bool:
+        return True
+
+
+def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
+    """Each task model's `unique_scale`, which must be one value per model."""
+    found: dict[Any, tuple] = {}
+    for task in merges:
+        for model, params in task.input_parameters.items():
+            if model == base:
+                continue
+            value = params.get("unique_scale")
+            seen = found.setdefault(model, (value, task.output_weight.name))
+            if seen[0] != value:
+                raise ValueError(
+                    f"unique_scale for model {model} is {seen[0]!r} for tensor "
+                    f"{seen[1]} but {value!r} for {task.output_weight.name}. "
+                    "An explicit unique_scale replaces the whole-model λ, so it "
+                    "needs one value per model: remove its filter or gradient."
+                )
+    return {model: value for model, (value, _) in found.items()}
+
+
+def scale_planned(planner: MergePlanner) -> tuple | None:
+    """Run the statistics pass for a planned RAM+ merge and rewrite its tasks.
+
+    Returns (settings, statistics, scales), or None when no pass is needed.
+    """
+    merges = [task for _, task in planner._tensors]
+    if not merges:
+        return None
+    settings = MergeSettings.from_parameters(
+        (task.output_weight.name, task.parameters) for task in merges
+    )
+    explicit = explicit_scales(merges, merges[0].base_model)
+    if not settings.needs_pass(explicit.keys(), explicit):
+        return None
+    options = planner.options
+    stats = collect_planned(
+        merges,
+        epsilon=settings.epsilon,
+        device=options.device,
+        storage_device=options.device if options.low_cpu_memory else "cpu",
+        quiet=options.quiet,
+    )
+    scales = stats.scales(settings.rule)
+    scales.update({m: v for m, v in explicit.items() if v is not None})
+    planner._tensors = [
+        (weight, with_scales(task, scales)) for weight, task in planner._tensors
+    ]
+    return settings, stats, scales
+
+
+def with_scales(task: Any, scales: dict[Any, float]) -> Any:
+    """A copy of a planned merge task whose task models carry their λ."""
+    params = immutables.Map(
+        {
+            model: (
+                immutables.Map({**values, "unique_scale": scales.get(model, 1.0)})
+                if "unique_scale" in values
+                else values
+            )
+            for model, values in task.input_parameters.items()
+        }
+    )
+    return task.model_copy(update={"input_parameters": params})
+
+
+def patched_plan(original):
+    def _plan(self: MergePlanner) -> None:
+        original(self)
+        self._ram_result = None
+        if is_ours(self.config.merge_method):
+            self._ram_result = scale_planned(self)
+            if self._ram_result is not None:
+                PENDING_CARDS[id(self.config)] = (self.config, self._ram_result)
+
+    _plan.__mergekit_ram__ = original
+    return _plan
+
+
+def patched_plan_to_disk(original):
+    def plan_to_disk(self: MergePlanner, out_path: str) -> list[Task]:
+        tasks = original(self, out_path)
+        result = getattr(self, "_ram_result", None)
+        if result is None:
+            return tasks
+        finalize = next(t for t in tasks if isinstance(t, FinalizeModel))
+        document = json.dumps(statistics_document(*result), indent=2)
+        return tasks + [
+            WriteStatistics(out_path=out_path, document=document, finalize=finalize)
+        ]
+
+    plan_to_disk.__mergekit_ram__ = original
+    return plan_to_disk
+
+
+def statistics_for_card(config: Any) -> tuple | None:
+    """Pop the statistics a finished plan left for this configuration's card."""
+    entry = PENDING_CARDS.pop(id(config), None)
+    if entry is None or entry[0] is not config:
+        return None
+    return entry[1]

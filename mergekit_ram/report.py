@@ -1,0 +1,87 @@
+"""What a RAM+ merge leaves behind: ram_statistics.json and the model-card section."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+from mergekit_ram.settings import MergeSettings
+from mergekit_ram.statistics import OverlapStatistics
+
+STATISTICS_FILE = "ram_statistics.json"
+
+
+def task_rows(
+    stats: OverlapStatistics, scales: Mapping[Hashable, float]
+) -> list[dict[str, Any]]:
+    """Per task: model, changed, shared, unique, overlap_histogram, rho, scale.
+
+    rho is null when the task has shared but no unique elements (ρ = ∞).
+    """
+    rows = []
+    for task, counts in stats.tasks.items():
+        rho = counts.rho
+        rows.append(
+            {
+                "model": str(task),
+                "elements": counts.elements,
+                "changed": counts.changed,
+                "shared": counts.shared,
+                "unique": counts.unique,
+                "overlap_histogram": list(counts.histogram),
+                "rho": rho if math.isfinite(rho) else None,
+                "scale": scales.get(task, 1.0),
+            }
+        )
+    return rows
+
+
+def statistics_document(
+    settings: MergeSettings,
+    stats: OverlapStatistics,
+    scales: Mapping[Hashable, float],
+) -> dict[str, Any]:
+    """The content of ram_statistics.json."""
+    return {
+        **settings.as_dict(),
+        "num_tensors": stats.num_tensors,
+        "num_elements": stats.num_elements,
+        "seconds": round(stats.seconds, 3),
+        "tasks": task_rows(stats, scales),
+    }
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.2f} %" if whole else "–"
+
+
+def card_section(
+    settings: MergeSettings,
+    stats: OverlapStatistics,
+    scales: Mapping[Hashable, float],
+) -> str:
+    """A short model-card section with the per-agent table."""
+    lines = [
+        "",
+        "### RAM+ statistics",
+        "",
+        f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
+        f"r = {settings.r:g}, alpha = {settings.alpha:g}, "
+        f"{settings.saturation} rule) over {stats.num_tensors} tensors and "
+        f"{stats.num_elements:,} elements, computed by "
+        "[mergekit-ram](https://pypi.org/project/mergekit-ram/). "
+        f"Full counts are in `{STATISTICS_FILE}`.",
+        "",
+        "| model | changed | unique | shared | ρ = S/U | λ |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in task_rows(stats, scales):
+        rho = "∞" if row["rho"] is None else f"{row['rho']:.4f}"
+        lines.append(
+            f"| {row['model']} | {_percent(row['changed'], row['elements'])} | "
+            f"{_percent(row['unique'], row['changed'])} | "
+            f"{_percent(row['shared'], row['changed'])} | {rho} | "
+            f"{row['scale']:.4f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,70 @@
+"""The scalar settings a global RAM+ merge needs, resolved once per merge."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mergekit_ram.scale import ScaleRule
+
+SCALAR_KEYS = ("epsilon", "r", "alpha", "saturation", "statistics")
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    """epsilon, r, alpha, saturation and statistics as one merge uses them."""
+
+    epsilon: float
+    r: float
+    alpha: float
+    saturation: str
+    statistics: str
+
+    @classmethod
+    def from_parameters(
+        cls, per_tensor: Iterable[tuple[str, Mapping[str, Any]]]
+    ) -> MergeSettings:
+        """Settings from resolved per-tensor values, which must all agree.
+
+        Whole-model statistics use one epsilon and one λ rule for every tensor,
+        so a filter or gradient that varies them per tensor is refused.
+        """
+        first: tuple[str, dict] | None = None
+        for tensor, params in per_tensor:
+            values = {key: params[key] for key in SCALAR_KEYS}
+            if first is None:
+                first = (tensor, values)
+                continue
+            for key in SCALAR_KEYS:
+                if values[key] != first[1][key] and _global(first[1], values):
+                    raise ValueError(
+                        f"RAM parameter '{key}' is {first[1][key]!r} for tensor "
+                        f"{first[0]} but {values[key]!r} for {tensor}. Whole-model "
+                        "(global) statistics need one value for the whole merge: "
+                        "remove the per-tensor filter or gradient on "
+                        f"'{key}', or set statistics: tensor."
+                    )
+        if first is None:
+            raise ValueError("the merge has no tensors")
+        return cls(**first[1])
+
+    @property
+    def rule(self) -> ScaleRule:
+        return ScaleRule(r=self.r, alpha=self.alpha, saturation=self.saturation)
+
+    def needs_pass(
+        self, tasks: Iterable[Hashable], explicit: Mapping[Hashable, float | None]
+    ) -> bool:
+        """True when some task's λ must come from whole-model statistics."""
+        if self.statistics != "global" or self.r == 0:
+            return False
+        return any(explicit.get(task) is None for task in tasks)
+
+    def as_dict(self) -> dict:
+        return {key: getattr(self, key) for key in SCALAR_KEYS}
+
+
+def _global(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether either side needs whole-model statistics (r > 0, global scope)."""
+    return any(v["statistics"] == "global" and v["r"] > 0 for v in (a, b))

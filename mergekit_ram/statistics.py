@@ -1,0 +1,163 @@
+"""Overlap statistics: C, S, U and the k-way histogram per task (RAM_SPEC.md).
+
+The one place they are counted. `tensor_histograms` counts one tensor group;
+`OverlapStatistics` adds groups up per task, in total and per output tensor;
+`collect_planned` streams over the groups a planned mergekit merge will
+compute, so the global RAM+ scale sees exactly what the merge sees while only
+about one tensor group is resident at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mergekit_ram.kernel import change_mask, overlap_counts, task_histogram, task_vector
+from mergekit_ram.scale import ScaleRule
+
+
+def tensor_histograms(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+) -> list[list[int]]:
+    """Row t, entry k: task t's changed elements that k other tasks change too."""
+    base32 = base.to(dtype=torch.float32)
+    counts = overlap_counts(base32, tasks, epsilon)
+    rows = []
+    for task in tasks:
+        mask = change_mask(task_vector(task, base32), epsilon)
+        rows.append(task_histogram(counts, mask, len(tasks)).tolist())
+        del mask
+    return rows
+
+
+def _add_into(total: list[int], row: Sequence[int]) -> None:
+    if len(total) < len(row):
+        total.extend([0] * (len(row) - len(total)))
+    for k, value in enumerate(row):
+        total[k] += int(value)
+
+
+@dataclass
+class TaskCounts:
+    """One task's counts; histogram[k] = changed elements shared with exactly k others."""
+
+    histogram: list[int] = field(default_factory=list)
+    elements: int = 0
+
+    @property
+    def changed(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def unique(self) -> int:
+        return self.histogram[0] if self.histogram else 0
+
+    @property
+    def shared(self) -> int:
+        return self.changed - self.unique
+
+    @property
+    def rho(self) -> float:
+        """ρ = S/U; infinite when the task has shared but no unique elements."""
+        if self.unique:
+            return self.shared / self.unique
+        return math.inf if self.shared else 0.0
+
+
+@dataclass
+class OverlapStatistics:
+    """Counts per task model, over all added tensors and per tensor."""
+
+    epsilon: float
+    tasks: dict[Hashable, TaskCounts] = field(default_factory=dict)
+    per_tensor: dict[str, dict[Hashable, TaskCounts]] = field(default_factory=dict)
+    num_tensors: int = 0
+    num_elements: int = 0
+    seconds: float = 0.0
+
+    def add(
+        self,
+        name: str,
+        base: torch.Tensor,
+        tasks: Mapping[Hashable, torch.Tensor],
+    ) -> None:
+        """Count one tensor group (base plus task models' tensors)."""
+        if name in self.per_tensor:
+            raise ValueError(f"tensor {name!r} counted twice")
+        ids = list(tasks)
+        rows = tensor_histograms(base, [tasks[i] for i in ids], self.epsilon)
+        local = {}
+        for task_id, row in zip(ids, rows):
+            local[task_id] = TaskCounts(list(row), base.numel())
+            total = self.tasks.setdefault(task_id, TaskCounts())
+            _add_into(total.histogram, row)
+            total.elements += base.numel()
+        self.per_tensor[name] = local
+        self.num_tensors += 1
+        self.num_elements += base.numel()
+
+    def scales(self, rule: ScaleRule) -> dict[Hashable, float]:
+        """Global λ per task from the whole-model totals."""
+        return {
+            task_id: rule.scale(counts.shared, counts.unique)
+            for task_id, counts in self.tasks.items()
+        }
+
+
+def group_tensors(
+    tensors: Mapping[Hashable, torch.Tensor],
+    base_id: Hashable,
+    order: Iterable[Hashable],
+    device: torch.device | None,
+) -> tuple | None:
+    """(base, {task: tensor}) on `device`, or None for a group RAM does not merge."""
+    base = tensors.get(base_id)
+    if base is None or not base.is_floating_point():
+        return None
+    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
+    tasks = {m: move(tensors[m]) for m in order if m != base_id and m in tensors}
+    return move(base), tasks
+
+
+def collect_planned(
+    planned: Sequence[Any],
+    *,
+    epsilon: float,
+    device: str | None,
+    storage_device: str | None,
+    quiet: bool,
+) -> OverlapStatistics:
+    """Stream over the gathered inputs of planned merge tasks and count them.
+
+    `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
+    (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
+    executor, one group at a time, and each group is dropped once counted.
+    """
+    from mergekit.graph import Executor
+
+    started = time.perf_counter()
+    by_input: dict[Any, list[Any]] = {}
+    for task in planned:
+        by_input.setdefault(task.gather_tensors, []).append(task)
+    stats = OverlapStatistics(epsilon=epsilon)
+    math_device = torch.device(device or "cpu")
+    executor = Executor(
+        targets=list(by_input),
+        math_device=math_device,
+        storage_device=torch.device(storage_device or "cpu"),
+    )
+    for gather, tensors in executor.run(quiet=quiet, desc="RAM+ statistics"):
+        for task in by_input[gather]:
+            group = group_tensors(
+                tensors, task.base_model, task.model_order, math_device
+            )
+            if group is not None:
+                stats.add(task.output_weight.name, *group)
+        del tensors, group
+    stats.seconds = time.perf_counter() - started
+    return stats
