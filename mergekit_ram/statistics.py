@@ -44,7 +44,7 @@ def _add_into(total: list[int], row: Sequence[int]) -> None:
 
 @dataclass
 class TaskCounts:
-    """One task's counts; histogram[k] = changed elements shared with exactly k others."""
+    """One task's counts; histogram[k]: changed elements k other tasks change too."""
 
     histogram: list[int] = field(default_factory=list)
     elements: int = 0
