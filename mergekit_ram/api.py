@@ -9,7 +9,7 @@ in-memory functions count the whole input before merging and pass λ as
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from mergekit import merge_methods
@@ -23,7 +23,7 @@ from mergekit_ram.method import RAMMerge
 from mergekit_ram.settings import SCALAR_KEYS, MergeSettings
 from mergekit_ram.statistics import OverlapStatistics, group_tensors
 
-StateDictLike = Union[Mapping[str, torch.Tensor], torch.nn.Module]
+StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
 
 
 def run_merge(

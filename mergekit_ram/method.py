@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import torch
 from mergekit.merge_methods.base import (
@@ -109,7 +109,7 @@ def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
             shared("statistics", Literal["global", "tensor"], "global"),
             ParameterSpec(
                 "unique_scale",
-                Optional[NonNegative],
+                NonNegative | None,
                 ParameterScope.NON_BASE,
                 None,
                 description=PARAMETER_HELP["unique_scale"],
