@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run `mergekit-ram demo`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+HF_HUB_OFFLINE=1 "${VENV:-.venv}/bin/mergekit-ram" demo "$@"
