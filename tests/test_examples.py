@@ -1,0 +1,71 @@
+"""Every shipped example config merges the demo's models as its comment says."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+
+import mergekit_ram
+from mergekit_ram.synthetic import build_models
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "example_configs"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("examples")
+    build_models(str(root / "models"))
+    return root
+
+
+def merge_example(name, workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    source = (EXAMPLES / name).read_text()
+    config = MergeConfiguration.model_validate(yaml.safe_load(source))
+    out = workdir / f"out-{name}"
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True), source)
+    assert (out / "config.json").exists()
+    assert (out / "mergekit_config.yml").read_text() == source
+    stats = out / "ram_statistics.json"
+    return json.loads(stats.read_text()) if stats.exists() else None
+
+
+def test_examples_cover_the_documented_modes():
+    names = sorted(p.name for p in EXAMPLES.glob("*.yml"))
+    assert names == [
+        "ram.yml",
+        "ramplus.yml",
+        "ramplus_arm_r_v2.yml",
+        "ramplus_explicit_scale.yml",
+        "ramplus_tensor_local.yml",
+    ]
+
+
+def test_ram_runs_no_statistics_pass(workdir, monkeypatch):
+    assert merge_example("ram.yml", workdir, monkeypatch) is None
+
+
+def test_tensor_local_runs_no_statistics_pass(workdir, monkeypatch):
+    assert merge_example("ramplus_tensor_local.yml", workdir, monkeypatch) is None
+
+
+def test_explicit_scales_skip_the_pass(workdir, monkeypatch):
+    assert merge_example("ramplus_explicit_scale.yml", workdir, monkeypatch) is None
+
+
+@pytest.mark.parametrize(
+    "name, r, cap", [("ramplus.yml", 0.1, 2.0), ("ramplus_arm_r_v2.yml", 0.2, 1.0)]
+)
+def test_global_examples_use_their_rule(name, r, cap, workdir, monkeypatch):
+    document = merge_example(name, workdir, monkeypatch)
+    assert (document["r"], document["alpha"], document["saturation"]) == (
+        r,
+        cap,
+        "clip",
+    )
+    for task in document["tasks"]:
+        rho = task["shared"] / task["unique"]
+        assert task["scale"] == pytest.approx(1 + r * min(rho, cap), rel=1e-12)

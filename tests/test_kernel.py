@@ -1,0 +1,292 @@
+"""mergekit_ram.kernel.ram_merge_tensor against the dense reference (RAM_SPEC.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import reference
+import torch
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+
+from mergekit_ram.kernel import ram_merge_tensor
+from mergekit_ram.scale import ScaleRule
+
+CASES = [
+    ((64,), [0.4]),
+    ((16, 24), [0.3, 0.3]),
+    ((12, 10), [0.2, 0.5, 0.4]),
+    ((4, 6, 10), [0.4, 0.1, 0.3, 0.6]),
+]
+EXPLICIT = [1.3, 0.75, 2.0, 1.05]
+
+
+def ref_merge(base, tasks, **kwargs):
+    merged, _ = reference.merge(*as_dicts(base, tasks), **kwargs)
+    return merged["w"]
+
+
+def rule_fn(rule: ScaleRule, calls: list | None = None):
+    def scale_fn(index, histogram):
+        if calls is not None:
+            calls.append((index, histogram.clone()))
+        unique = int(histogram[0])
+        return rule.scale(int(histogram.sum()) - unique, unique)
+
+    return scale_fn
+
+
+@pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
+def case(request):
+    shape, densities = CASES[request.param]
+    base, tasks = sparse_tasks(shape, densities, seed=request.param)
+    assert_all_classes(base, tasks)
+    return base, tasks
+
+
+def test_ram_equals_reference_float32(case):
+    base, tasks = case
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * len(tasks))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, ref_merge(base, tasks))
+
+
+def test_explicit_scales_equal_reference_float32(case):
+    base, tasks = case
+    scales = EXPLICIT[: len(tasks)]
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=scales)
+    assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
+    ram = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * len(tasks))
+    assert not torch.equal(out, ram)
+
+
+@pytest.mark.parametrize("saturation", ["clip", "soft"])
+def test_scale_fn_is_tensor_local_statistics(case, saturation):
+    base, tasks = case
+    n = len(tasks)
+    rule = ScaleRule(r=0.5, alpha=1.5, saturation=saturation)
+    calls = []
+    out = ram_merge_tensor(
+        base, tasks, epsilon=EPSILON, scales=[None] * n, scale_fn=rule_fn(rule, calls)
+    )
+    expected = ref_merge(
+        base, tasks, r=0.5, alpha=1.5, saturation=saturation, statistics="tensor"
+    )
+    assert torch.equal(out, expected)
+
+    # scale_fn sees each task once, in order, with this tensor's k-way histogram.
+    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+    *_, hist = reference.csu(per_tensor, n)
+    assert [index for index, _ in calls] == list(range(n))
+    for index, histogram in calls:
+        assert histogram.tolist() == hist[index]
+
+
+def test_scale_fn_only_for_tasks_without_explicit_scale(case):
+    base, tasks = case
+    n = len(tasks)
+    rule = ScaleRule(r=0.3, alpha=2.0)
+    scales = [1.7] + [None] * (n - 1)
+    calls = []
+    out = ram_merge_tensor(
+        base, tasks, epsilon=EPSILON, scales=scales, scale_fn=rule_fn(rule, calls)
+    )
+    expected = ref_merge(
+        base, tasks, r=0.3, alpha=2.0, statistics="tensor", unique_scale=scales
+    )
+    assert torch.equal(out, expected)
+    assert [index for index, _ in calls] == list(range(1, n))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["ram", "explicit", "tensor"])
+def test_low_precision_is_float32_result_rounded_once(case, dtype, mode):
+    base, tasks = cast(*case, dtype)
+    n = len(tasks)
+    rule = ScaleRule(r=0.5, alpha=1.0)
+    kwargs = {
+        "ram": {"scales": [1.0] * n},
+        "explicit": {"scales": EXPLICIT[:n]},
+        "tensor": {"scales": [None] * n, "scale_fn": rule_fn(rule)},
+    }[mode]
+    ref_kwargs = {
+        "ram": {},
+        "explicit": {"unique_scale": EXPLICIT[:n]},
+        "tensor": {"r": 0.5, "alpha": 1.0, "statistics": "tensor"},
+    }[mode]
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, **kwargs)
+    # The reference run on the upcast inputs: a float32 result, rounded once.
+    full = ref_merge(*cast(base, tasks, torch.float32), **ref_kwargs)
+    assert full.dtype == torch.float32
+    assert out.dtype == dtype
+    assert torch.equal(out, full.to(dtype))
+    if n > 1 or mode == "explicit":  # else the result is a copy of the inputs
+        assert not torch.equal(full, full.to(dtype).float())  # rounding happened
+
+
+def test_epsilon_is_strict_and_absolute():
+    base = torch.zeros(6)
+    t0 = torch.tensor([EPSILON, -EPSILON, 2e-5, 0.1, 5e-6, -0.3])
+    t1 = torch.tensor([0.0, 0.0, 0.0, EPSILON, 0.0, -5e-6])
+    out = ram_merge_tensor(base, [t0, t1], epsilon=EPSILON, scales=[2.0, 3.0])
+    assert out[0] == 0 and out[1] == 0 and out[4] == 0  # |τ| ≤ ε: unchanged
+    assert out[2] == t0[2] * 2.0  # just above ε: changed, unique
+    # t1's sub-threshold delta neither counts as overlap nor is added in.
+    assert out[3] == t0[3] * 2.0
+    assert out[5] == t0[5] * 2.0
+    assert torch.equal(out, ref_merge(base, [t0, t1], unique_scale=[2.0, 3.0]))
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 0.5])
+def test_epsilon_threshold_other_values(epsilon):
+    base = torch.ones(4)
+    t0 = base + torch.tensor([0.0, 0.5, 0.75, -0.5])
+    t1 = base + torch.tensor([0.0, 0.0, 0.25, 0.0])
+    out = ram_merge_tensor(base, [t0, t1], epsilon=epsilon, scales=[1.0, 1.0])
+    assert out[0] == 1.0
+    if epsilon == 0.5:  # exactly 0.5 dropped, 0.75 kept, 0.25 dropped
+        assert out.tolist() == [1.0, 1.0, 1.75, 1.0]
+    else:  # every nonzero change counts; element 2 is shared
+        assert out.tolist() == [1.0, 1.5, 1.5, 0.5]
+    assert torch.equal(out, ref_merge(base, [t0, t1], epsilon=epsilon))
+
+
+@pytest.mark.parametrize(
+    "base_dtype,task_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_returns_base_dtype(base_dtype, task_dtype):
+    base, tasks = sparse_tasks((10, 10), [0.3, 0.3], seed=7)
+    base = base.to(base_dtype)
+    tasks = [t.to(task_dtype) for t in tasks]
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.2, 1.0])
+    assert out.dtype == base_dtype
+    assert out.shape == base.shape
+    assert torch.equal(out, ref_merge(base, tasks, unique_scale=[1.2, 1.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("local", [False, True])
+def test_inputs_are_not_modified(case, dtype, local):
+    base, tasks = cast(*case, dtype)
+    before = [base.clone()] + [t.clone() for t in tasks]
+    n = len(tasks)
+    if local:
+        kwargs = {"scales": [None] * n, "scale_fn": rule_fn(ScaleRule(0.5, 2.0))}
+    else:
+        kwargs = {"scales": EXPLICIT[:n]}
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, **kwargs)
+    after = [base] + list(tasks)
+    for old, new in zip(before, after):
+        assert new.dtype == dtype
+        assert torch.equal(old, new)
+    assert out.data_ptr() not in {t.data_ptr() for t in after}
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_result_on_input_device(device):
+    base, tasks = sparse_tasks((8, 8), [0.3, 0.3, 0.3], seed=3)
+    base, tasks = base.to(device), [t.to(device) for t in tasks]
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0, 1.5, 1.1])
+    assert out.device == base.device
+    assert out.shape == base.shape
+
+
+def test_zero_tasks_returns_a_copy_of_base():
+    base = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    kept = base.clone()
+    out = ram_merge_tensor(base, [], epsilon=EPSILON, scales=[])
+    assert torch.equal(out, base) and out.dtype == base.dtype
+    assert out.data_ptr() != base.data_ptr()
+    out.add_(1.0)
+    assert torch.equal(base, kept)
+
+
+def test_bad_scale_arguments_raise():
+    base, tasks = sparse_tasks((4, 4), [0.5, 0.5], seed=1)
+    with pytest.raises(ValueError, match="scales"):
+        ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0])
+    with pytest.raises(ValueError, match="scale_fn"):
+        ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0, None])
+
+
+def test_single_task_keeps_its_changes():
+    base, (task,) = sparse_tasks((9, 7), [0.5], seed=11)
+    out = ram_merge_tensor(base, [task], epsilon=EPSILON, scales=[1.0])
+    tau = task - base
+    expected = torch.where(tau.abs() > EPSILON, base + tau, base)
+    assert torch.equal(out, expected)
+
+
+# RAM_SPEC.md, "Worked example".
+TAU = [
+    [0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0],
+    [0, 0.4, 0.4, 0, 0, -0.1, 0, 0],
+    [0, 0, 0.6, 0.7, 0, 0, 0, 1e-6],
+]
+RAM_ROW = [0.5, 0.4, 0.4, 0.7, 0, 0.1, 0, 0]
+
+
+def worked(rule: ScaleRule | None):
+    base = torch.zeros(8)
+    tasks = [torch.tensor(row) for row in TAU]
+    calls = []
+    if rule is None:
+        out = ram_merge_tensor(base, tasks, epsilon=1e-5, scales=[1.0] * 3)
+    else:
+        out = ram_merge_tensor(
+            base, tasks, epsilon=1e-5, scales=[None] * 3, scale_fn=rule_fn(rule, calls)
+        )
+    lambdas = [rule_fn(rule)(i, h) for i, h in calls] if rule else [1.0] * 3
+    return base, tasks, out, calls, lambdas
+
+
+def test_worked_example_ram():
+    base, tasks, out, _, _ = worked(None)
+    assert torch.allclose(out, torch.tensor(RAM_ROW), rtol=0, atol=1e-7)
+    assert torch.equal(out, ref_merge(base, tasks))
+
+
+@pytest.mark.parametrize(
+    "alpha,lambdas,row",
+    [
+        (2.0, [1.2, 1.2, 1.1], [0.6, 0.48, 0.4, 0.77, 0, 0.1, 0, 0]),
+        (1.0, [1.1, 1.1, 1.1], [0.55, 0.44, 0.4, 0.77, 0, 0.1, 0, 0]),
+    ],
+)
+def test_worked_example_clip(alpha, lambdas, row):
+    base, tasks, out, calls, got = worked(ScaleRule(r=0.1, alpha=alpha))
+    # c = [1, 1, 3, 1, 0, 2, 0, 0]; S = [2, 2, 1]; U = [1, 1, 1]
+    assert [h.tolist() for _, h in calls] == [[1, 1, 1], [1, 1, 1], [1, 0, 1]]
+    assert got == pytest.approx(lambdas, abs=1e-12)
+    assert torch.allclose(out, torch.tensor(row), rtol=0, atol=1e-6)
+    expected = ref_merge(base, tasks, r=0.1, alpha=alpha, statistics="tensor")
+    assert torch.equal(out, expected)
+
+
+def test_worked_example_soft():
+    base, tasks, out, _, got = worked(ScaleRule(r=0.1, alpha=2.0, saturation="soft"))
+    assert got == pytest.approx([1.0667, 1.0667, 1.05], abs=5e-5)
+    assert math.isclose(got[0], 1 + 0.1 * 2 / 3, rel_tol=1e-12)
+    # Unique elements carry λ·τ, shared ones the plain mean, the rest stay 0.
+    t = [torch.tensor(row) for row in TAU]
+    expected = torch.tensor(RAM_ROW)
+    expected[0] = t[0][0] * got[0]
+    expected[1] = t[1][1] * got[1]
+    expected[3] = t[2][3] * got[2]
+    assert torch.allclose(out, expected, rtol=0, atol=1e-7)
+    assert torch.equal(out[[0, 1, 3]], expected[[0, 1, 3]])
+    assert out[[4, 6, 7]].tolist() == [0, 0, 0]
+    ram = worked(None)[2]
+    assert torch.equal(out[[2, 5]], ram[[2, 5]])
+    expected_ref = ref_merge(
+        base, tasks, r=0.1, saturation="soft", statistics="tensor"
+    )
+    assert torch.allclose(out, expected_ref, rtol=0, atol=1e-7)
