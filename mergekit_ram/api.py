@@ -94,6 +94,9 @@ def _with_global_scales(
     settings = _settings(method, parameters)
     task_ids = [i for i in ids if i != base]
     explicit = _explicit(parameters.get("unique_scale"), task_ids)
+    if isinstance(parameters.get("unique_scale"), Mapping):
+        # A model left out of the mapping has no explicit λ, in every scope.
+        parameters["unique_scale"] = explicit
     if not settings.needs_pass(task_ids, explicit):
         return parameters
     stats = OverlapStatistics(epsilon=settings.epsilon)

@@ -21,7 +21,9 @@ from mergekit_ram.synthetic import PAPER_LIKE, build_models, merge_yaml
 
 
 def _table(document: dict, names: dict) -> str:
-    header = f"{'agent':<12} {'changed':>9} {'unique':>9} {'shared':>9} {'rho':>7} {'λ':>7}"
+    columns = ("changed", "unique", "shared")
+    header = f"{'agent':<12} " + " ".join(f"{c:>9}" for c in columns)
+    header += f" {'rho':>7} {'λ':>7}"
     rows = [header, "-" * len(header)]
     for task in document["tasks"]:
         changed = task["changed"]

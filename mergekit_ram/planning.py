@@ -6,13 +6,17 @@ and each planned merge task gets the resulting λ as its models'
 `unique_scale`. Every entry point (mergekit-yaml, mergekit-ram merge, the
 Python run_merge) plans through this class, so all of them compute the same
 numbers. `plan_to_disk` additionally gets a last task that writes
-ram_statistics.json once the model has been finalized.
+ram_statistics.json once the model has been finalized, and hands the result
+to a caller that asked for it with `capture_result` (`mergekit-ram merge
+--report` reuses the merge's statistics that way instead of a second pass).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import immutables
@@ -27,6 +31,28 @@ from mergekit_ram.statistics import collect_planned
 
 # Statistics of finished plans, for the model card (keyed by config identity).
 PENDING_CARDS: dict[int, tuple] = {}
+
+# Plans someone is waiting for (capture_result), keyed by absolute out_path.
+_CAPTURED: dict[str, list] = {}
+
+
+@contextmanager
+def capture_result(out_path: str) -> Iterator[list]:
+    """Collect what merges planned to `out_path` computed, while in the block.
+
+    The yielded list gets one entry per `plan_to_disk(out_path)`: the planner's
+    (settings, statistics, scales), or None when the merge needed no statistics
+    pass (RAM with r = 0, tensor scope, explicit unique_scale, other methods).
+    Nothing is kept for merges nobody asked about.
+    """
+    key = os.path.abspath(out_path)
+    slot: list = []
+    _CAPTURED[key] = slot
+    try:
+        yield slot
+    finally:
+        if _CAPTURED.get(key) is slot:
+            del _CAPTURED[key]
 
 
 class WriteStatistics(Task[None]):
@@ -130,6 +156,9 @@ def patched_plan_to_disk(original):
     def plan_to_disk(self: MergePlanner, out_path: str) -> list[Task]:
         tasks = original(self, out_path)
         result = getattr(self, "_ram_result", None)
+        slot = _CAPTURED.get(os.path.abspath(out_path))
+        if slot is not None:
+            slot.append(result)
         if result is None:
             return tasks
         finalize = next(t for t in tasks if isinstance(t, FinalizeModel))

@@ -4,7 +4,8 @@ The one place they are counted. `tensor_histograms` counts one tensor group;
 `OverlapStatistics` adds groups up per task, in total and per output tensor;
 `collect_planned` streams over the groups a planned mergekit merge will
 compute, so the global RAM+ scale sees exactly what the merge sees while only
-about one tensor group is resident at a time.
+about one tensor group is resident at a time. Pairwise intersections
+|m_s ∧ m_t| (for Jaccard overlaps) are counted alongside, from the same masks.
 """
 
 from __future__ import annotations
@@ -35,6 +36,31 @@ def tensor_histograms(
     return rows
 
 
+def tensor_overlaps(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(histograms as tensor_histograms, intersections): entry [s][t] = |m_s ∧ m_t|.
+
+    The diagonal is each task's changed count. Every mask is computed once and
+    kept as bool (one byte per element and task) for this tensor only.
+    """
+    base32 = base.to(dtype=torch.float32)
+    masks = [change_mask(task_vector(task, base32), epsilon) for task in tasks]
+    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
+    for mask in masks:
+        counts += mask
+    rows = [task_histogram(counts, mask, len(tasks)).tolist() for mask in masks]
+    pairs = [[0] * len(tasks) for _ in tasks]
+    for s, mask in enumerate(masks):
+        pairs[s][s] = sum(rows[s])
+        for t in range(s + 1, len(masks)):
+            pairs[s][t] = pairs[t][s] = int(
+                torch.count_nonzero(torch.logical_and(mask, masks[t]))
+            )
+    del masks, counts
+    return rows, pairs
+
+
 def _add_into(total: list[int], row: Sequence[int]) -> None:
     if len(total) < len(row):
         total.extend([0] * (len(row) - len(total)))
@@ -48,6 +74,8 @@ class TaskCounts:
 
     histogram: list[int] = field(default_factory=list)
     elements: int = 0
+    # Other task → changed elements both change (|m_self ∧ m_other|).
+    intersections: dict[Hashable, int] = field(default_factory=dict)
 
     @property
     def changed(self) -> int:
@@ -90,13 +118,16 @@ class OverlapStatistics:
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids = list(tasks)
-        rows = tensor_histograms(base, [tasks[i] for i in ids], self.epsilon)
+        rows, pairs = tensor_overlaps(base, [tasks[i] for i in ids], self.epsilon)
         local = {}
-        for task_id, row in zip(ids, rows):
-            local[task_id] = TaskCounts(list(row), base.numel())
+        for s, (task_id, row) in enumerate(zip(ids, rows)):
+            shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
+            local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
             total = self.tasks.setdefault(task_id, TaskCounts())
             _add_into(total.histogram, row)
             total.elements += base.numel()
+            for other, value in shared_with.items():
+                total.intersections[other] = total.intersections.get(other, 0) + value
         self.per_tensor[name] = local
         self.num_tensors += 1
         self.num_elements += base.numel()
@@ -131,6 +162,7 @@ def collect_planned(
     device: str | None,
     storage_device: str | None,
     quiet: bool,
+    desc: str = "RAM+ statistics",
 ) -> OverlapStatistics:
     """Stream over the gathered inputs of planned merge tasks and count them.
 
@@ -151,7 +183,7 @@ def collect_planned(
         math_device=math_device,
         storage_device=torch.device(storage_device or "cpu"),
     )
-    for gather, tensors in executor.run(quiet=quiet, desc="RAM+ statistics"):
+    for gather, tensors in executor.run(quiet=quiet, desc=desc):
         for task in by_input[gather]:
             group = group_tensors(
                 tensors, task.base_model, task.model_order, math_device

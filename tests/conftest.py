@@ -72,6 +72,7 @@ class Family:
     dtype: torch.dtype
     words: dict[str, tuple[str, ...]]
     tie: bool
+    # Per task and tensor: the flat indices its delta was written to.
     supports: dict[str, dict[str, torch.Tensor]] = field(repr=False)
 
     @property
@@ -155,11 +156,21 @@ def llama_shapes(
     return shapes
 
 
-def _signed_delta(shape, generator) -> torch.Tensor:
-    """Deltas bounded away from zero (|δ| in [0.01, 0.03)): always above ε."""
-    magnitude = 0.01 + 0.02 * torch.rand(shape, generator=generator)
-    sign = torch.where(torch.rand(shape, generator=generator) < 0.5, -1.0, 1.0)
-    return magnitude * sign
+def _with_delta(tensor, support, generator) -> torch.Tensor:
+    """tensor + δ at the flat indices `support`, |δ| in [0.01, 0.03) with a
+    random sign: always above ε, also after rounding to bf16."""
+    count = support.numel()
+    magnitude = 0.01 + 0.02 * torch.rand(count, generator=generator)
+    sign = torch.rand(count, generator=generator) < 0.5
+    out = tensor.clone()
+    out.view(-1)[support] += torch.where(sign, -magnitude, magnitude).to(out.dtype)
+    return out
+
+
+def _random_support(numel: int, density: float, generator) -> torch.Tensor:
+    """About density·numel distinct flat indices (cheap for big tensors)."""
+    draws = int(round(min(1.0, density) * numel))
+    return torch.randint(numel, (draws,), generator=generator).unique()
 
 
 def build_family(
@@ -236,10 +247,11 @@ def build_family(
             save_word_tokenizer(str(path), words)
         return str(path)
 
-    # The base as stored (rounded once to the checkpoint dtype).
+    # Everything in the checkpoint dtype from here on.
+    base32 = {k: v.to(dtype) for k, v in base32.items()}
     base_state = {
-        k: v.to(dtype).float()
-        for k, v in {**base32, **vocab_tensors(base_words)}.items()
+        **base32,
+        **{k: v.to(dtype) for k, v in vocab_tensors(base_words).items()},
     }
     paths = {"base": store("base", base_state, base_words)}
     words = {"base": tuple(base_words)}
@@ -251,27 +263,27 @@ def build_family(
             paths[spec.name] = str(path)
             words[spec.name] = tuple(base_words)
             supports[spec.name] = {
-                k: torch.zeros_like(v, dtype=torch.bool) for k, v in base_state.items()
+                k: torch.zeros(0, dtype=torch.long) for k in base_state
             }
             continue
         task_words = tuple(spec.words or base_words)
-        start = {**base32, **vocab_tensors(task_words)}
-        start = {k: v.to(dtype).float() for k, v in start.items()}
+        start = {
+            **base32,
+            **{k: v.to(dtype) for k, v in vocab_tensors(task_words).items()},
+        }
         state, support = {}, {}
         for name in sorted(start):
             tensor = start[name]
             if spec.subset_of is not None:
                 other = supports[spec.subset_of][name]
-                keep = other & (torch.rand(tensor.shape, generator=generator) < 0.5)
+                keep = other[torch.rand(other.numel(), generator=generator) < 0.5]
             else:
                 factor = 1.0 + spec.skew * (
                     2 * float(torch.rand(1, generator=generator)) - 1
                 )
-                keep = torch.rand(tensor.shape, generator=generator) < min(
-                    1.0, spec.density * factor
-                )
+                keep = _random_support(tensor.numel(), spec.density * factor, generator)
             support[name] = keep
-            state[name] = tensor + _signed_delta(tensor.shape, generator) * keep
+            state[name] = _with_delta(tensor, keep, generator)
         paths[spec.name] = store(spec.name, state, task_words)
         words[spec.name] = task_words
         supports[spec.name] = support
@@ -317,12 +329,6 @@ def family_f32(model_family) -> Family:
 @pytest.fixture(scope="session")
 def family_bf16(model_family) -> Family:
     return model_family("bf16", dtype=torch.bfloat16, seed=1)
-
-
-@pytest.fixture(scope="session")
-def venv_bin() -> Path:
-    """The directory of this interpreter's console scripts."""
-    return Path(sys.executable).parent
 
 
 def read_json(path) -> dict:

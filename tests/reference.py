@@ -82,3 +82,24 @@ def merge(
             delta = delta + torch.where(m[t], contrib, torch.zeros_like(contrib))
         merged[name] = (base[name].float() + delta).to(base[name].dtype)
     return merged, global_lam
+
+
+def intersections(per_tensor, n):
+    """Whole-model |m_s ∧ m_t| for every pair of tasks (diagonal: C_t)."""
+    inter = [[0] * n for _ in range(n)]
+    for _tau, m, _c in per_tensor.values():
+        for s in range(n):
+            for t in range(n):
+                inter[s][t] += int((m[s] & m[t]).sum())
+    return inter
+
+
+def jaccard(inter):
+    """Jaccard overlap I / (C_s + C_t − I) of the change masks, 0 if both empty."""
+    n = len(inter)
+    out = [[0.0] * n for _ in range(n)]
+    for s in range(n):
+        for t in range(n):
+            union = inter[s][s] + inter[t][t] - inter[s][t]
+            out[s][t] = inter[s][t] / union if union else 0.0
+    return out

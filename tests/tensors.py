@@ -87,6 +87,9 @@ def assert_all_classes(base, tasks, epsilon: float = EPSILON) -> None:
     assert found["dropped"] > 0, found
     if len(tasks) > 1:
         assert found["shared"] > 0, found
+    if base.dtype == torch.float32 and base.numel() >= 6:
+        tau = torch.stack([t - base for t in tasks])
+        assert (tau.abs() == torch.tensor(epsilon)).any()  # exactly ε, dropped
 
 
 def as_dicts(base: torch.Tensor, tasks: Sequence[torch.Tensor], name: str = "w"):

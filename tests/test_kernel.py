@@ -286,7 +286,5 @@ def test_worked_example_soft():
     assert out[[4, 6, 7]].tolist() == [0, 0, 0]
     ram = worked(None)[2]
     assert torch.equal(out[[2, 5]], ram[[2, 5]])
-    expected_ref = ref_merge(
-        base, tasks, r=0.1, saturation="soft", statistics="tensor"
-    )
+    expected_ref = ref_merge(base, tasks, r=0.1, saturation="soft", statistics="tensor")
     assert torch.allclose(out, expected_ref, rtol=0, atol=1e-7)

@@ -1,0 +1,183 @@
+"""PNG figures of an analysis report (the `plots` extra: matplotlib).
+
+matplotlib is imported only when a figure is drawn, and only through its
+object-oriented API with the Agg canvas: no pyplot, no global backend switch,
+no display needed. Sizes are fixed (FIGURES, in pixels at DPI) so the files
+are reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+INSTALL_HINT = "pip install 'mergekit-ram[plots]'"
+DPI = 100
+# file name → (width, height) in inches; pixels = inches × DPI.
+FIGURES = {
+    "overlap_histogram.png": (11.0, 4.5),
+    "density_per_layer.png": (8.0, 4.5),
+    "jaccard.png": (6.0, 5.0),
+}
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
+        from matplotlib.figure import Figure  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _figure(name: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=FIGURES[name], dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _colors(count: int, sequential: bool) -> list:
+    """Colours for `count` series: ordered (overlap k) or categorical (tasks)."""
+    import matplotlib
+
+    if not sequential and count <= 10:
+        return list(matplotlib.colormaps["tab10"].colors[:count])
+    colormap = matplotlib.colormaps["viridis"]
+    return [colormap(i / max(count - 1, 1)) for i in range(count)]
+
+
+def overlap_histogram(report: Mapping[str, Any], path: str) -> None:
+    """Stacked bars per task: changed elements by how many other tasks share them."""
+    tasks = report["tasks"]
+    n = len(tasks)
+    figure = _figure(os.path.basename(path))
+    absolute, relative = figure.subplots(1, 2, sharey=True)
+    labels = [t["label"] for t in tasks]
+    positions = list(range(n))
+    colors = _colors(n, sequential=True)
+    left_abs = [0.0] * n
+    left_rel = [0.0] * n
+    for k in range(n):
+        values = [
+            (t["overlap_histogram"][k] if k < len(t["overlap_histogram"]) else 0)
+            for t in tasks
+        ]
+        part_abs = [
+            100.0 * v / t["elements"] if t["elements"] else 0.0
+            for v, t in zip(values, tasks)
+        ]
+        part_rel = [
+            100.0 * v / t["changed"] if t["changed"] else 0.0
+            for v, t in zip(values, tasks)
+        ]
+        if k == 0:
+            name = "unique (k = 0)"
+        elif n <= 4:
+            name = f"shared with {k} other" + ("s" if k > 1 else "")
+        else:
+            name = f"k = {k}"
+        absolute.barh(positions, part_abs, left=left_abs, color=colors[k], label=name)
+        relative.barh(positions, part_rel, left=left_rel, color=colors[k])
+        left_abs = [a + b for a, b in zip(left_abs, part_abs)]
+        left_rel = [a + b for a, b in zip(left_rel, part_rel)]
+    for y, total in zip(positions, left_abs):
+        absolute.text(total, y, f" {total:.1f} %", va="center", fontsize=9)
+    absolute.set_yticks(positions, labels)
+    absolute.invert_yaxis()
+    absolute.set_xlim(0, max(left_abs + [1.0]) * 1.18)
+    absolute.set_xlabel("% of all parameters changed")
+    absolute.set_title("Changed parameters by overlap")
+    relative.set_xlim(0, 100)
+    relative.set_xlabel("% of the task's changes")
+    relative.set_title("Composition of each task's changes")
+    figure.legend(loc="outside lower center", ncols=min(n, 7), fontsize=9)
+    figure.suptitle(
+        f"k-way overlap of the change masks (epsilon = {report['epsilon']:g})"
+    )
+    figure.savefig(path, dpi=DPI)
+
+
+def density_per_layer(report: Mapping[str, Any], path: str) -> None:
+    """Share of each layer's parameters every task changes, one line per task."""
+    from matplotlib.ticker import MaxNLocator
+
+    tasks = report["tasks"]
+    figure = _figure(os.path.basename(path))
+    axes = figure.subplots()
+    colors = _colors(len(tasks), sequential=False)
+    layers = report["per_layer"]
+    xs = [entry["layer"] for entry in layers]
+    for color, task in zip(colors, tasks):
+        ys = []
+        for entry in layers:
+            row = next((x for x in entry["tasks"] if x["model"] == task["model"]), None)
+            changed = row["changed"] if row else 0
+            ys.append(100.0 * changed / entry["elements"] if entry["elements"] else 0)
+        axes.plot(xs, ys, marker="o", color=color, label=task["label"])
+        if task["elements"]:
+            axes.axhline(
+                100.0 * task["changed"] / task["elements"],
+                color=color,
+                linestyle="--",
+                linewidth=0.8,
+            )
+    if not layers:
+        axes.text(
+            0.5, 0.5, "no per-layer tensors", ha="center", transform=axes.transAxes
+        )
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("layer")
+    axes.set_ylabel("% of the layer's parameters changed")
+    axes.set_ylim(bottom=0)
+    axes.set_title("Task-vector density per layer (dashed: whole model)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=9)
+    figure.savefig(path, dpi=DPI)
+
+
+def jaccard_heatmap(report: Mapping[str, Any], path: str) -> None:
+    """Pairwise Jaccard overlap of the tasks' change masks."""
+    tasks = report["tasks"]
+    matrix = report["pairwise"]["jaccard"]
+    labels = [t["label"] for t in tasks]
+    figure = _figure(os.path.basename(path))
+    axes = figure.subplots()
+    image = axes.imshow(matrix, vmin=0.0, vmax=1.0, cmap="Blues")
+    n = len(matrix)
+    digits, size = (3, 10) if n <= 5 else (2, max(5, 48 // n))
+    for s, row in enumerate(matrix):
+        for t, value in enumerate(row):
+            axes.text(
+                t,
+                s,
+                f"{value:.{digits}f}",
+                ha="center",
+                va="center",
+                color="white" if value > 0.6 else "black",
+                fontsize=size,
+            )
+    ticks = list(range(len(labels)))
+    axes.set_xticks(ticks, labels, rotation=30, ha="right")
+    axes.set_yticks(ticks, labels)
+    axes.set_title("Pairwise overlap of change masks (Jaccard)")
+    figure.colorbar(image, ax=axes, shrink=0.8)
+    figure.savefig(path, dpi=DPI)
+
+
+def write_figures(report: Mapping[str, Any], out_dir: str) -> list[str]:
+    """Draw every figure into out_dir; returns the file names written."""
+    draw = {
+        "overlap_histogram.png": overlap_histogram,
+        "density_per_layer.png": density_per_layer,
+        "jaccard.png": jaccard_heatmap,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    for name, function in draw.items():
+        function(report, os.path.join(out_dir, name))
+    return list(draw)

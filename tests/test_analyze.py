@@ -1,0 +1,555 @@
+"""`mergekit-ram analyze` and `merge --report` against the dense reference.
+
+The models are tiny Llama checkpoints built with mergekit_ram.synthetic
+(bf16, sparse agents with overlapping supports). Every count in the report is
+recomputed densely by tests/reference.py from the saved safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import reference
+import torch
+import yaml
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import mergekit_ram.planning
+import mergekit_ram.statistics
+from mergekit_ram import analyze
+from mergekit_ram.cli import main
+from mergekit_ram.statistics import OverlapStatistics
+from mergekit_ram.synthetic import AgentSpec, build_models, merge_yaml
+
+EPSILON = 1e-5
+AGENTS = (
+    AgentSpec("coder", 0.04),
+    AgentSpec("tools", 0.3),
+    AgentSpec("memory", 0.5),
+    AgentSpec("search", 0.15),
+)
+NAMES = [a.name for a in AGENTS]
+TASK_KEYS = {
+    # ram_statistics.json's fields ...
+    "model": str,
+    "elements": int,
+    "changed": int,
+    "shared": int,
+    "unique": int,
+    "overlap_histogram": list,
+    "rho": (float, int, type(None)),
+    "scale": (float, int),
+    # ... and the report's additions.
+    "label": str,
+    "scale_explicit": bool,
+    "scale_tensor_local": dict,
+}
+TOP_KEYS = {
+    "schema_version": int,
+    "method": str,
+    "base_model": str,
+    "epsilon": float,
+    "r": (float, int),
+    "alpha": (float, int),
+    "saturation": str,
+    "statistics": str,
+    "num_tensors": int,
+    "num_elements": int,
+    "seconds": (float, int),
+    "tasks": list,
+    "pairwise": dict,
+    "per_module": list,
+    "per_layer": list,
+    "sweep": list,
+}
+LOCAL_KEYS = {"mean", "unique_weighted_mean", "min", "max", "tensors"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("analyze-models")
+    paths = build_models(str(root / "models"), AGENTS, seed=3)
+    return root, paths
+
+
+def write_config(root: Path, paths: dict, method: str, **parameters) -> str:
+    text = merge_yaml(paths, method, **parameters)
+    path = root / f"{method}-{abs(hash(text))}.yml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dense(models):
+    """Per-tensor (τ, m, c) and the base state, from the saved files."""
+    _root, paths = models
+
+    def state(name):
+        return load_file(os.path.join(paths[name], "model.safetensors"))
+
+    base = state("base")
+    tasks = [state(n) for n in NAMES]
+
+    def counts(epsilon=EPSILON):
+        return reference.counts(base, tasks, epsilon)
+
+    return base, tasks, counts
+
+
+def invoke(*args, expect=0):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == expect, result.output
+    return result.output
+
+
+def read(path) -> dict:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def without_timing(document: dict) -> dict:
+    return {k: v for k, v in document.items() if k != "seconds"}
+
+
+@pytest.fixture(scope="module")
+def analyzed(models, tmp_path_factory):
+    """`mergekit-ram analyze` on the ramplus config, with --out and an r sweep."""
+    root, paths = models
+    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
+    out = tmp_path_factory.mktemp("analyze-out")
+    output = invoke("analyze", config, "--out", out, "--quiet", "--r", "0,0.05,0.1,0.2")
+    return config, out, output, read(out / analyze.REPORT_JSON)
+
+
+def test_counts_equal_dense_reference(analyzed, dense):
+    _config, _out, _output, report = analyzed
+    base, _tasks, counts = dense
+    per_tensor = counts()
+    n = len(NAMES)
+    C, S, U, hist = reference.csu(per_tensor, n)
+    assert report["num_tensors"] == len(base)
+    assert report["num_elements"] == sum(t.numel() for t in base.values())
+    assert [t["label"] for t in report["tasks"]] == NAMES
+    for i, task in enumerate(report["tasks"]):
+        assert (task["changed"], task["shared"], task["unique"]) == (C[i], S[i], U[i])
+        assert task["overlap_histogram"] == hist[i]
+        assert task["elements"] == report["num_elements"]
+        assert task["rho"] == pytest.approx(S[i] / U[i], rel=1e-12)
+        lam = reference.lam(C[i], S[i], U[i], 0.1, 2.0, "clip")
+        assert task["scale"] == pytest.approx(lam, rel=1e-12)
+        assert task["scale_explicit"] is False
+    # The agents overlap in every way: unique, 2-, 3- and 4-way shared.
+    assert all(all(v > 0 for v in h) for h in hist[1:])
+
+    inter = reference.intersections(per_tensor, n)
+    assert report["pairwise"]["models"] == [t["model"] for t in report["tasks"]]
+    assert report["pairwise"]["intersection"] == inter
+    assert [inter[i][i] for i in range(n)] == C
+    expected = reference.jaccard(inter)
+    for row, ref_row in zip(report["pairwise"]["jaccard"], expected):
+        assert row == pytest.approx(ref_row, rel=1e-12)
+    assert len({round(v, 6) for row in expected for v in row}) > n  # not uniform
+
+
+def group_counts(per_tensor, names, n):
+    """C, S, U per task over the tensors `names` (dense reference)."""
+    C, S, U, _ = reference.csu({k: per_tensor[k] for k in names}, n)
+    return C, S, U
+
+
+def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
+    _config, _out, _output, report = analyzed
+    base, _tasks, counts = dense
+    per_tensor = counts()
+    n = len(NAMES)
+    layers = sorted(
+        {int(k.split(".")[2]) for k in base if k.startswith("model.layers.")}
+    )
+    assert [e["layer"] for e in report["per_layer"]] == layers
+    for entry in report["per_layer"]:
+        names = [k for k in base if k.startswith(f"model.layers.{entry['layer']}.")]
+        C, S, U = group_counts(per_tensor, names, n)
+        assert entry["tensors"] == len(names)
+        assert entry["elements"] == sum(base[k].numel() for k in names)
+        got = [(t["changed"], t["shared"], t["unique"]) for t in entry["tasks"]]
+        assert got == list(zip(C, S, U))
+    # Density profile differs between layers (synthetic skew).
+    densities = [
+        [t["changed"] / e["elements"] for t in e["tasks"]] for e in report["per_layer"]
+    ]
+    assert densities[0] != densities[1]
+
+    patterns = {
+        "embeddings": r"embed_tokens",
+        "attention": r"self_attn\.[qkvo]_proj",
+        "mlp": r"mlp\.(up|down|gate)_proj",
+        "norms": r"norm",
+        "lm_head": r"lm_head",
+    }
+    assert [e["module"] for e in report["per_module"]] == list(patterns)
+    for entry in report["per_module"]:
+        names = [k for k in base if re.search(patterns[entry["module"]], k)]
+        C, S, U = group_counts(per_tensor, names, n)
+        assert entry["tensors"] == len(names)
+        assert entry["elements"] == sum(base[k].numel() for k in names)
+        got = [(t["changed"], t["shared"], t["unique"]) for t in entry["tasks"]]
+        assert got == list(zip(C, S, U))
+    assert sum(e["tensors"] for e in report["per_module"]) == len(base)
+
+
+def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
+    _config, _out, _output, report = analyzed
+    base, _tasks, counts = dense
+    per_tensor = counts()
+    n = len(NAMES)
+    for i, task in enumerate(report["tasks"]):
+        values = []
+        for name, entry in per_tensor.items():
+            C, S, U, _ = reference.csu({name: entry}, n)
+            if U[i] > 0:
+                lam = reference.lam(C[i], S[i], U[i], 0.1, 2.0, "clip")
+                values.append((lam, base[name].numel(), U[i]))
+        local = task["scale_tensor_local"]
+        assert local["tensors"] == len(values)
+        assert local["min"] == pytest.approx(min(v for v, _, _ in values))
+        assert local["max"] == pytest.approx(max(v for v, _, _ in values))
+        elements = sum(e for _, e, _ in values)
+        unique = sum(u for _, _, u in values)
+        assert local["mean"] == pytest.approx(
+            sum(v * e for v, e, _ in values) / elements
+        )
+        assert local["unique_weighted_mean"] == pytest.approx(
+            sum(v * u for v, _, u in values) / unique
+        )
+    # Global and tensor-local λ differ: the reason to show both.
+    assert any(
+        abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
+        for t in report["tasks"]
+    )
+
+
+def check_type(value, types, where):
+    assert isinstance(value, types), f"{where}: {type(value).__name__}"
+    if types in (int, float) or types == (float, int):
+        assert not isinstance(value, bool), where
+
+
+def test_report_json_schema(analyzed, models, tmp_path):
+    _config, out, _output, report = analyzed
+    assert list(report) == list(TOP_KEYS)
+    for key, types in TOP_KEYS.items():
+        check_type(report[key], types, key)
+    assert report["schema_version"] == analyze.SCHEMA_VERSION == 1
+    n = len(report["tasks"])
+    for task in report["tasks"]:
+        assert set(task) == set(TASK_KEYS)
+        for key, types in TASK_KEYS.items():
+            check_type(task[key], types, f"tasks.{key}")
+        assert len(task["overlap_histogram"]) == n
+        assert all(type(v) is int for v in task["overlap_histogram"])
+        assert set(task["scale_tensor_local"]) == LOCAL_KEYS
+    pair = report["pairwise"]
+    assert set(pair) == {"models", "intersection", "jaccard"}
+    for key in ("intersection", "jaccard"):
+        assert len(pair[key]) == n and all(len(row) == n for row in pair[key])
+    assert all(0.0 <= v <= 1.0 for row in pair["jaccard"] for v in row)
+    for group, field in (("per_module", "module"), ("per_layer", "layer")):
+        for entry in report[group]:
+            assert set(entry) == {field, "tensors", "elements", "tasks"}
+            for row in entry["tasks"]:
+                assert set(row) == {"model", "changed", "shared", "unique"}
+                assert all(type(row[k]) is int for k in ("changed", "shared", "unique"))
+    assert {e["module"] for e in report["per_module"]} <= set(analyze.MODULES)
+    for entry in report["sweep"]:
+        assert set(entry) == {"r", "scale", "scale_tensor_local"}
+        assert set(entry["scale"]) == {t["model"] for t in report["tasks"]}
+    # Same field names as ram_statistics.json (produced by a real merge).
+    root, paths = models
+    merged = tmp_path / "merged"
+    invoke("merge", write_config(root, paths, "ramplus"), merged, "--quiet")
+    statistics = read(merged / "ram_statistics.json")
+    assert set(statistics) <= set(report)
+    assert set(statistics["tasks"][0]) <= set(report["tasks"][0])
+    for ours, theirs in zip(report["tasks"], statistics["tasks"]):
+        assert {k: ours[k] for k in theirs} == theirs
+    # The documented schema names every field.
+    doc = (Path(__file__).parent.parent / "docs" / "report_schema.md").read_text(
+        encoding="utf-8"
+    )
+    for key in [*TOP_KEYS, *TASK_KEYS, *LOCAL_KEYS, "intersection", "jaccard"]:
+        assert f"`{key}`" in doc, key
+
+
+def test_cli_output_and_files(analyzed):
+    _config, out, output, report = analyzed
+    for title in (
+        "Per task:",
+        "k-way overlap:",
+        "Pairwise overlap (Jaccard):",
+        "Per module:",
+        "Per layer:",
+        "λ sweep over r:",
+    ):
+        assert title in output
+    for name in NAMES:
+        assert name in output
+    for module in ("embeddings", "attention", "mlp", "norms", "lm_head"):
+        assert module in output
+    first = report["tasks"][0]
+    assert f"{first['changed']:,}" in output
+    assert f"{first['scale']:.4f}" in output
+    for name in ("report.json", "report.md", *analyze_figures()):
+        assert (out / name).stat().st_size > 0, name
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "| task |" in md and "![jaccard](jaccard.png)" in md
+
+
+def analyze_figures():
+    from mergekit_ram.figures import FIGURES
+
+    return list(FIGURES)
+
+
+def test_r_sweep_table(analyzed, dense):
+    _config, _out, output, report = analyzed
+    _base, _tasks, counts = dense
+    C, S, U, _ = reference.csu(counts(), len(NAMES))
+    assert [s["r"] for s in report["sweep"]] == [0.0, 0.05, 0.1, 0.2]
+    for entry in report["sweep"]:
+        for i, task in enumerate(report["tasks"]):
+            lam = reference.lam(C[i], S[i], U[i], entry["r"], 2.0, "clip")
+            assert entry["scale"][task["model"]] == pytest.approx(lam, rel=1e-12)
+    zero = report["sweep"][0]
+    assert set(zero["scale"].values()) == {1.0}
+    assert set(zero["scale_tensor_local"].values()) == {1.0}
+    section = output.split("λ sweep over r:")[1].splitlines()
+    rows = [line.split()[0] for line in section[3:7]]
+    assert rows == ["0", "0.05", "0.1", "0.2"]
+    # λ grows with r for a task that has shared elements.
+    lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
+    assert lams == sorted(lams) and lams[0] < lams[-1]
+
+
+@pytest.mark.parametrize("bad", ["-0.1", "abc", ","])
+def test_bad_r_values_refused(analyzed, bad):
+    config = analyzed[0]
+    output = invoke("analyze", config, "--r", bad, expect=2)
+    assert "--r" in output
+
+
+def test_epsilon_override_is_monotone(models, dense):
+    root, paths = models
+    config = write_config(root, paths, "ramplus")
+    _base, _tasks, counts = dense
+    changed = []
+    for epsilon in (1e-5, 1e-3, 1e-2, 3e-2):
+        output = invoke(
+            "analyze",
+            config,
+            "--epsilon",
+            epsilon,
+            "--quiet",
+            "--out",
+            root / f"eps-{epsilon}",
+        )
+        assert f"epsilon = {epsilon:g}" in output
+        report = read(root / f"eps-{epsilon}" / "report.json")
+        assert report["epsilon"] == epsilon
+        C, S, U, hist = reference.csu(counts(epsilon), len(NAMES))
+        assert [t["changed"] for t in report["tasks"]] == C
+        assert [t["overlap_histogram"] for t in report["tasks"]] == hist
+        changed.append(C)
+    for before, after in zip(changed, changed[1:]):
+        assert all(a <= b for a, b in zip(after, before))
+    assert changed[-1] != changed[0] and sum(changed[-1]) < sum(changed[0])
+
+
+@pytest.fixture
+def pass_counter(monkeypatch):
+    """Counts calls of the statistics engine's collect_planned, wherever imported."""
+    calls = []
+    original = mergekit_ram.statistics.collect_planned
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("desc"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mergekit_ram.statistics, "collect_planned", counting)
+    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", counting)
+    return calls
+
+
+def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter):
+    root, paths = models
+    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
+    output = invoke(
+        "merge", config, tmp_path / "merged", "--report", tmp_path / "rep", "--quiet"
+    )
+    assert len(pass_counter) == 1  # the merge's own pass, nothing more
+    assert "no extra pass" in output
+    assert "Per task:" in output
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    merged_report = read(tmp_path / "rep" / "report.json")
+
+    invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
+    assert len(pass_counter) == 2  # analyze: one pass, the hook did not run one
+    assert without_timing(merged_report) == without_timing(
+        read(tmp_path / "ana" / "report.json")
+    )
+    assert sorted(os.listdir(tmp_path / "rep")) == sorted(os.listdir(tmp_path / "ana"))
+    statistics = read(tmp_path / "merged" / "ram_statistics.json")
+    assert statistics["tasks"] == [
+        {k: t[k] for k in statistics["tasks"][0]} for t in merged_report["tasks"]
+    ]
+
+
+def test_merge_report_without_a_pass_analyzes_once(models, tmp_path, pass_counter):
+    root, paths = models
+    config = write_config(root, paths, "ram")
+    output = invoke(
+        "merge", config, tmp_path / "merged", "--report", tmp_path / "rep", "--quiet"
+    )
+    assert "needed no whole-model statistics pass" in output
+    assert len(pass_counter) == 1
+    assert not (tmp_path / "merged" / "ram_statistics.json").exists()
+    report = read(tmp_path / "rep" / "report.json")
+    assert report["r"] == 0 and all(t["scale"] == 1.0 for t in report["tasks"])
+    # RAM: the report adds the paper's RAM+ r so the user sees the λ it would give.
+    assert [s["r"] for s in report["sweep"]] == [analyze.PAPER_R]
+    invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
+    assert without_timing(report) == without_timing(
+        read(tmp_path / "ana" / "report.json")
+    )
+
+
+def test_other_merge_method_uses_paper_defaults(models, tmp_path, analyzed):
+    root, paths = models
+    config = yaml.safe_load(merge_yaml(paths, "della"))
+    config["parameters"] = {"epsilon": 0.05, "density": 0.5}  # DELLA's, not ours
+    for entry in config["models"]:
+        entry["parameters"] = {"weight": 1.0}
+    path = tmp_path / "della.yml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    output = invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
+    assert "paper's RAM+ defaults" in output
+    report = read(tmp_path / "out" / "report.json")
+    assert report["method"] == "della"
+    assert (report["epsilon"], report["r"], report["alpha"]) == (1e-5, 0.1, 2.0)
+    ours = analyzed[3]
+    assert report["tasks"] == ours["tasks"]
+    assert report["pairwise"] == ours["pairwise"]
+
+
+def test_without_matplotlib_text_and_json_still_written(
+    analyzed, tmp_path, monkeypatch
+):
+    config = analyzed[0]
+    for name in list(sys.modules):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    output = invoke("analyze", config, "--out", tmp_path, "--quiet")
+    assert "Per task:" in output
+    assert "pip install 'mergekit-ram[plots]'" in output
+    assert sorted(os.listdir(tmp_path)) == ["report.json", "report.md"]
+    assert read(tmp_path / "report.json")["tasks"] == analyzed[3]["tasks"]
+    assert "pip install 'mergekit-ram[plots]'" in (tmp_path / "report.md").read_text(
+        encoding="utf-8"
+    )
+
+
+def test_analyze_does_not_modify_the_config(models):
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    root, paths = models
+    config = MergeConfiguration.model_validate(
+        yaml.safe_load(merge_yaml(paths, "ramplus"))
+    )
+    before = config.model_dump()
+    result = analyze.analyze_config(config, MergeOptions(quiet=True), epsilon=1e-4)
+    assert config.model_dump() == before
+    assert result.settings.epsilon == 1e-4 and result.stats.epsilon == 1e-4
+
+
+def test_explicit_unique_scale_is_reported(models, tmp_path):
+    root, paths = models
+    config = yaml.safe_load(merge_yaml(paths, "ramplus"))
+    config["models"][0]["parameters"] = {"unique_scale": 1.5}
+    path = tmp_path / "explicit.yml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
+    tasks = read(tmp_path / "out" / "report.json")["tasks"]
+    assert tasks[0]["scale"] == 1.5 and tasks[0]["scale_explicit"] is True
+    assert tasks[0]["scale_tensor_local"]["min"] == 1.5
+    assert not any(t["scale_explicit"] for t in tasks[1:])
+
+
+def test_engine_intersections_equal_reference():
+    """OverlapStatistics counts |m_s ∧ m_t| per tensor and in total."""
+    g = torch.Generator().manual_seed(7)
+    shapes = {"a.0.w": (9, 7), "a.1.w": (13,), "b": (4, 5, 3)}
+    base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    tasks = []
+    for density in (0.2, 0.6, 0.4):
+        tasks.append(
+            {
+                k: v
+                + torch.randn(v.shape, generator=g)
+                * (torch.rand(v.shape, generator=g) < density)
+                for k, v in base.items()
+            }
+        )
+    ids = ["x", "y", "z"]
+    stats = OverlapStatistics(epsilon=EPSILON)
+    for name in base:
+        stats.add(name, base[name], {i: t[name] for i, t in zip(ids, tasks)})
+    per_tensor = reference.counts(base, tasks, EPSILON)
+    total = reference.intersections(per_tensor, 3)
+    for s, a in enumerate(ids):
+        assert stats.tasks[a].intersections == {
+            b: total[s][t] for t, b in enumerate(ids) if b != a
+        }
+    for name in base:
+        local = reference.intersections({name: per_tensor[name]}, 3)
+        for s, a in enumerate(ids):
+            got = stats.per_tensor[name][a].intersections
+            assert got == {b: local[s][t] for t, b in enumerate(ids) if b != a}
+
+
+@pytest.mark.parametrize(
+    ("name", "module", "layer"),
+    [
+        ("model.embed_tokens.weight", "embeddings", None),
+        ("lm_head.weight", "lm_head", None),
+        ("model.norm.weight", "norms", None),
+        ("model.layers.3.input_layernorm.weight", "norms", 3),
+        ("model.layers.12.post_attention_layernorm.weight", "norms", 12),
+        ("model.layers.0.self_attn.q_norm.weight", "norms", 0),
+        ("model.layers.1.self_attn.k_proj.weight", "attention", 1),
+        ("model.layers.1.self_attn.o_proj.bias", "attention", 1),
+        ("model.layers.7.mlp.down_proj.weight", "mlp", 7),
+        ("transformer.h.2.attn.c_attn.weight", "attention", 2),
+        ("transformer.wte.weight", "embeddings", None),
+        ("model.layers.2.mlp.experts.5.up_proj.weight", "mlp", 2),
+        ("score.weight", "other", None),
+    ],
+)
+def test_module_and_layer_of_names(name, module, layer):
+    assert analyze.module_of(name) == module
+    assert analyze.layer_of(name) == layer
+
+
+def test_parse_r_values():
+    assert analyze.parse_r_values("0, 0.05,0.1,0.2") == [0.0, 0.05, 0.1, 0.2]
+    for bad in ("-1", "nan", "inf", "", "x"):
+        with pytest.raises(ValueError):
+            analyze.parse_r_values(bad)
+    assert math.isclose(analyze.parse_r_values("1e-1")[0], 0.1)

@@ -1,0 +1,506 @@
+"""mergekit_ram.merge_tensors / merge_state_dicts against the dense reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import reference
+import torch
+from mergekit import merge_methods
+from tensors import (
+    EPSILON,
+    as_dicts,
+    assert_all_classes,
+    cast,
+    sparse_tasks,
+    state_dicts,
+    tensor_equal,
+)
+
+import mergekit_ram
+from mergekit_ram.method import GlobalStatisticsMissing
+
+TASK_IDS = ["coder", "tool", "memory"]
+# Overlap differs from tensor to tensor, so whole-model λ ≠ per-tensor λ.
+PROFILES = {
+    "embed.weight": ((24, 16), [0.6, 0.6, 0.1]),
+    "layers.0.weight": ((16, 16), [0.1, 0.3, 0.6]),
+    "layers.0.bias": ((16,), [0.5, 0.1, 0.5]),
+    "head.weight": ((8, 16), [0.05, 0.5, 0.5]),
+}
+# (method, parameters) -> keyword arguments of reference.merge
+CONFIGS = [
+    ("ram", {}, {}),
+    ("ramplus", {}, {"r": 0.1}),
+    ("ramplus", {"saturation": "soft"}, {"r": 0.1, "saturation": "soft"}),
+    ("ramplus", {"statistics": "tensor"}, {"r": 0.1, "statistics": "tensor"}),
+    (
+        "ramplus",
+        {"statistics": "tensor", "saturation": "soft"},
+        {"r": 0.1, "statistics": "tensor", "saturation": "soft"},
+    ),
+    ("ramplus", {"r": 0.5, "alpha": 1.0}, {"r": 0.5, "alpha": 1.0}),
+    ("ram", {"r": 0.3, "alpha": 5.0}, {"r": 0.3, "alpha": 5.0}),
+    (
+        "ramplus",
+        {"r": 0.4, "alpha": 5.0, "statistics": "tensor"},
+        {"r": 0.4, "alpha": 5.0, "statistics": "tensor"},
+    ),
+]
+CONFIG_IDS = [
+    f"{m}-" + "-".join(f"{k}={v}" for k, v in p.items()) for m, p, _ in CONFIGS
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ordered(base, tasks, base_at: int = 0, ids=None):
+    """{id: model} with the base inserted at position base_at."""
+    ids = ["base", *TASK_IDS] if ids is None else ids
+    models = list(tasks)
+    models.insert(base_at, base)
+    order = list(ids[1 : base_at + 1]) + [ids[0]] + list(ids[base_at + 1 :])
+    return dict(zip(order, models)), ids[0], [i for i in order if i != ids[0]]
+
+
+def reference_result(base, tasks, dtype=None, **kwargs):
+    if dtype is not None:
+        base = {k: v.to(dtype) for k, v in base.items()}
+        tasks = [{k: v.to(dtype) for k, v in t.items()} for t in tasks]
+    return reference.merge(base, tasks, **kwargs)
+
+
+def local_lambdas(base, tasks, name, **kwargs):
+    one = reference.counts({name: base[name]}, [{name: t[name]} for t in tasks], 1e-5)
+    C, S, U, _ = reference.csu(one, len(tasks))
+    return [
+        reference.lam(
+            C[t],
+            S[t],
+            U[t],
+            kwargs.get("r", 0.0),
+            kwargs.get("alpha", 2.0),
+            kwargs.get("saturation", "clip"),
+        )
+        for t in range(len(tasks))
+    ]
+
+
+@pytest.fixture(params=[0, 1])
+def model_set(request):
+    base, tasks = state_dicts(PROFILES, seed=request.param)
+    for name in base:
+        assert_all_classes(base[name], [t[name] for t in tasks])
+    return base, tasks
+
+
+# --- merge_tensors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method,parameters,ref_kwargs", CONFIGS, ids=CONFIG_IDS)
+def test_merge_tensors_equals_reference(method, parameters, ref_kwargs, dtype):
+    base, tasks = cast(*sparse_tasks((20, 18), [0.3, 0.5, 0.2], seed=21), dtype)
+    out = mergekit_ram.merge_tensors(
+        [base, *tasks], method, parameters=parameters, base_index=0
+    )
+    merged, _ = reference.merge(*as_dicts(base, tasks), **ref_kwargs)
+    assert tensor_equal(out, merged["w"])
+    if dtype != torch.float32:  # float32 computation, rounded once
+        full, _ = reference.merge(
+            *as_dicts(*cast(base, tasks, torch.float32)), **ref_kwargs
+        )
+        assert tensor_equal(out, full["w"].to(dtype))
+
+
+def test_merge_tensors_ids_and_base_position():
+    base, tasks = sparse_tasks((10, 30), [0.4, 0.4, 0.4], seed=22)
+    tensors = [tasks[0], tasks[1], base, tasks[2]]
+    out = mergekit_ram.merge_tensors(
+        tensors,
+        "ramplus",
+        parameters={"unique_scale": {"a": 1.5, "b": None, "c": None}},
+        ids=["a", "b", "base", "c"],
+        base_index=2,
+        name="x",
+    )
+    merged, _ = reference.merge(
+        *as_dicts(base, tasks), r=0.1, unique_scale=[1.5, None, None]
+    )
+    assert torch.equal(out, merged["w"])
+
+
+# --- merge_state_dicts: global vs tensor statistics --------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("method,parameters,ref_kwargs", CONFIGS, ids=CONFIG_IDS)
+def test_merge_state_dicts_equals_reference(
+    model_set, method, parameters, ref_kwargs, dtype
+):
+    base, tasks = model_set
+    base = {k: v.to(dtype) for k, v in base.items()}
+    tasks = [{k: v.to(dtype) for k, v in t.items()} for t in tasks]
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, method, parameters=parameters, base=base_id
+    )
+    expected, _ = reference.merge(base, tasks, **ref_kwargs)
+    assert list(out) == list(base)
+    for name in base:
+        assert tensor_equal(out[name], expected[name]), name
+    if dtype != torch.float32:
+        full, _ = reference_result(base, tasks, torch.float32, **ref_kwargs)
+        for name in base:
+            assert tensor_equal(out[name], full[name].to(dtype)), name
+
+
+@pytest.mark.parametrize(
+    "ref_kwargs",
+    [
+        {"r": 0.1},
+        {"r": 0.1, "saturation": "soft"},
+        {"r": 0.5, "alpha": 5.0},
+    ],
+    ids=["clip", "soft", "clip-r0.5"],
+)
+@pytest.mark.parametrize("base_at", [0, 2])
+def test_global_statistics_are_whole_model(model_set, ref_kwargs, base_at):
+    base, tasks = model_set
+    global_result, global_lam = reference.merge(base, tasks, **ref_kwargs)
+    tensor_result, _ = reference.merge(base, tasks, statistics="tensor", **ref_kwargs)
+    # The case can tell the scopes apart: every task's whole-model λ differs from
+    # its λ in some tensor, and every tensor merges differently under the two.
+    for t in range(len(tasks)):
+        assert any(
+            local_lambdas(base, tasks, name, **ref_kwargs)[t] != global_lam[t]
+            for name in base
+        )
+    for name in base:
+        assert not torch.equal(global_result[name], tensor_result[name]), name
+
+    models, base_id, _ = ordered(base, tasks, base_at)
+    assert list(models).index(base_id) == base_at
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", parameters=dict(ref_kwargs), base=base_id
+    )
+    for name in base:
+        assert torch.equal(out[name], global_result[name]), name
+
+
+def test_state_dict_sequence_input(model_set):
+    base, tasks = model_set
+    out = mergekit_ram.merge_state_dicts(
+        [*tasks[:1], base, *tasks[1:]], "ramplus", base=1
+    )
+    expected, _ = reference.merge(base, tasks, r=0.1)
+    assert all(torch.equal(out[name], expected[name]) for name in base)
+
+
+# --- explicit unique_scale -----------------------------------------------------
+
+
+@pytest.mark.parametrize("method,r", [("ram", 0.0), ("ramplus", 0.1)])
+@pytest.mark.parametrize("statistics", ["global", "tensor"])
+@pytest.mark.parametrize(
+    "unique_scale",
+    [
+        {"coder": 1.3, "tool": 0.9, "memory": 2.0},
+        [1.3, 0.9, 2.0],
+        {"coder": 1.4, "tool": None, "memory": None},
+        {"coder": None, "tool": 1.25, "memory": None},
+        [None, None, 1.6],
+        {"tool": 1.25},
+    ],
+    ids=["all-map", "all-seq", "mix-first", "mix-middle", "mix-last", "partial-map"],
+)
+def test_explicit_unique_scale(model_set, method, r, statistics, unique_scale):
+    base, tasks = model_set
+    models, base_id, task_ids = ordered(base, tasks)
+    parameters = {"unique_scale": unique_scale, "statistics": statistics}
+    out = mergekit_ram.merge_state_dicts(
+        models, method, parameters=parameters, base=base_id
+    )
+    scales = (
+        [unique_scale.get(i) for i in task_ids]
+        if isinstance(unique_scale, dict)
+        else list(unique_scale)
+    )
+    expected, _ = reference.merge(
+        base, tasks, r=r, statistics=statistics, unique_scale=scales
+    )
+    for name in base:
+        assert torch.equal(out[name], expected[name]), name
+    plain, _ = reference.merge(base, tasks, r=r, statistics=statistics)
+    assert any(not torch.equal(out[n], plain[n]) for n in base)
+
+
+@pytest.mark.parametrize("statistics", ["global", "tensor"])
+def test_scalar_unique_scale_broadcasts(model_set, statistics):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models,
+        "ramplus",
+        parameters={"unique_scale": 1.35, "statistics": statistics},
+        base=base_id,
+    )
+    expected, _ = reference.merge(base, tasks, unique_scale=[1.35] * len(tasks))
+    assert all(torch.equal(out[k], expected[k]) for k in base)
+
+
+def test_explicit_unique_scale_in_merge_tensors():
+    base, tasks = sparse_tasks((12, 12), [0.4, 0.3, 0.5], seed=23)
+    for parameters, scales in (
+        ({"unique_scale": [1.5, 1.2, 0.8]}, [1.5, 1.2, 0.8]),
+        ({"unique_scale": {1: None, 2: 1.7, 3: None}}, [None, 1.7, None]),
+    ):
+        out = mergekit_ram.merge_tensors(
+            [base, *tasks], "ramplus", parameters=parameters, base_index=0
+        )
+        expected, _ = reference.merge(
+            *as_dicts(base, tasks), r=0.1, unique_scale=scales
+        )
+        assert torch.equal(out, expected["w"])
+
+
+# --- dtype and out_dtype ------------------------------------------------------------
+
+
+def test_dtype_converts_before_counting(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", base=base_id, dtype=torch.bfloat16
+    )
+    low, low_lam = reference_result(base, tasks, torch.bfloat16, r=0.1)
+    _, full_lam = reference.merge(base, tasks, r=0.1)
+    assert low_lam != full_lam  # the conversion changes the statistics
+    for name in base:
+        assert tensor_equal(out[name], low[name]), name
+
+
+def test_dtype_float32_on_low_precision_inputs(model_set):
+    base, tasks = model_set
+    base16 = {k: v.to(torch.bfloat16) for k, v in base.items()}
+    tasks16 = [{k: v.to(torch.bfloat16) for k, v in t.items()} for t in tasks]
+    models, base_id, _ = ordered(base16, tasks16)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", base=base_id, dtype=torch.float32
+    )
+    full, _ = reference_result(base16, tasks16, torch.float32, r=0.1)
+    for name in base:
+        assert tensor_equal(out[name], full[name]), name  # float32, not rounded
+
+
+def test_out_dtype(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", base=base_id, out_dtype=torch.bfloat16
+    )
+    full, _ = reference.merge(base, tasks, r=0.1)
+    for name in base:
+        assert tensor_equal(out[name], full[name].to(torch.bfloat16)), name
+
+
+def test_dtype_and_out_dtype_together(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models,
+        "ramplus",
+        parameters={"saturation": "soft"},
+        base=base_id,
+        dtype=torch.bfloat16,
+        out_dtype=torch.float32,
+    )
+    low, _ = reference_result(base, tasks, torch.bfloat16, r=0.1, saturation="soft")
+    for name in base:
+        assert tensor_equal(out[name], low[name].float()), name
+
+
+def test_merge_tensors_dtype_and_out_dtype():
+    base, tasks = sparse_tasks((16, 16), [0.3, 0.5, 0.4], seed=24)
+    tensors = [base, *tasks]
+    low = mergekit_ram.merge_tensors(
+        tensors, "ramplus", base_index=0, dtype=torch.bfloat16
+    )
+    expected, _ = reference.merge(*as_dicts(*cast(base, tasks, torch.bfloat16)), r=0.1)
+    assert tensor_equal(low, expected["w"])
+    out = mergekit_ram.merge_tensors(
+        tensors, "ramplus", base_index=0, out_dtype=torch.float16
+    )
+    full, _ = reference.merge(*as_dicts(base, tasks), r=0.1)
+    assert tensor_equal(out, full["w"].to(torch.float16))
+
+
+# --- torch.nn.Module inputs ---------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(12, 10)
+        self.norm = torch.nn.LayerNorm(10)
+        self.head = torch.nn.Linear(10, 6, bias=False)
+        self.bn = torch.nn.BatchNorm1d(6)
+
+
+def make_modules(seed: int, densities=((0.5, 0.05), (0.1, 0.6), (0.4, 0.4))):
+    torch.manual_seed(seed)
+    base = Net()
+    g = torch.Generator().manual_seed(seed)
+    tasks = []
+    for first, rest in densities:
+        task = copy.deepcopy(base)
+        with torch.no_grad():
+            for index, p in enumerate(task.parameters()):
+                density = first if index < 2 else rest
+                mask = torch.rand(p.shape, generator=g) < density
+                p.add_(torch.randn(p.shape, generator=g) * 0.01 * mask)
+        tasks.append(task)
+    return base, tasks
+
+
+def plain(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(
+    "parameters,ref_kwargs",
+    [
+        ({}, {"r": 0.1}),
+        ({"statistics": "tensor"}, {"r": 0.1, "statistics": "tensor"}),
+    ],
+    ids=["global", "tensor"],
+)
+def test_module_inputs(parameters, ref_kwargs, grad):
+    base, tasks = make_modules(seed=31)
+    kept = [plain(m) for m in (base, *tasks)]
+    models = {"base": base, **dict(zip(TASK_IDS, tasks))}
+    with torch.set_grad_enabled(grad):
+        out = mergekit_ram.merge_state_dicts(
+            models, "ramplus", parameters=parameters, base="base"
+        )
+    expected, _ = reference.merge(kept[0], kept[1:], **ref_kwargs)
+    assert list(out) == list(kept[0])
+    assert out["bn.num_batches_tracked"].dtype == torch.int64
+    for name, tensor in out.items():
+        assert tensor_equal(tensor.detach(), expected[name]), name
+    for module, old in zip((base, *tasks), kept):
+        assert all(torch.equal(v, old[k]) for k, v in module.state_dict().items())
+
+
+def test_module_global_lambda_differs_from_tensor_local():
+    base, tasks = make_modules(seed=32)
+    sds = [plain(m) for m in (base, *tasks)]
+    global_result, lam = reference.merge(sds[0], sds[1:], r=0.1)
+    tensor_result, _ = reference.merge(sds[0], sds[1:], r=0.1, statistics="tensor")
+    assert any(
+        not torch.equal(global_result[n], tensor_result[n]) for n in global_result
+    )
+    out = mergekit_ram.merge_state_dicts([base, *tasks], "ramplus", base=0)
+    for name in global_result:
+        assert torch.equal(out[name].detach(), global_result[name]), name
+
+
+def test_mixed_module_and_state_dict_inputs():
+    base, tasks = make_modules(seed=33)
+    sds = [plain(m) for m in (base, *tasks)]
+    models = {"base": base, "a": sds[1], "b": tasks[1], "c": sds[3]}
+    out = mergekit_ram.merge_state_dicts(models, "ramplus", base="base")
+    expected, _ = reference.merge(sds[0], sds[1:], r=0.1)
+    for name in expected:
+        assert torch.equal(out[name].detach(), expected[name]), name
+
+
+# --- other API behaviour -------------------------------------------------------------
+
+
+def test_inputs_not_modified(model_set):
+    base, tasks = model_set
+    kept = [{k: v.clone() for k, v in sd.items()} for sd in (base, *tasks)]
+    models, base_id, _ = ordered(base, tasks)
+    mergekit_ram.merge_state_dicts(models, "ramplus", base=base_id)
+    for sd, old in zip((base, *tasks), kept):
+        assert all(torch.equal(sd[k], old[k]) for k in sd)
+
+
+def test_non_strict_counts_common_tensors_only(model_set):
+    base, tasks = model_set
+    extra = sparse_tasks((30, 30), [0.9], seed=3)[1][0]
+    tasks = [dict(t) for t in tasks]
+    tasks[0]["only.in.one"] = extra
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(models, "ramplus", base=base_id, strict=False)
+    common = [{k: t[k] for k in base} for t in tasks]
+    expected, _ = reference.merge(base, common, r=0.1)
+    assert list(out) == list(base)
+    for name in base:
+        assert torch.equal(out[name], expected[name]), name
+
+
+def test_per_group_values_must_agree_for_global_statistics(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    n = len(base)
+    with pytest.raises(ValueError, match="varies per tensor group"):
+        mergekit_ram.merge_state_dicts(
+            models,
+            "ramplus",
+            parameters={"r": merge_methods.PerGroupValues([0.1] * (n - 1) + [0.2])},
+            base=base_id,
+        )
+    out = mergekit_ram.merge_state_dicts(
+        models,
+        "ramplus",
+        parameters={"r": merge_methods.PerGroupValues([0.3] * n)},
+        base=base_id,
+    )
+    expected, _ = reference.merge(base, tasks, r=0.3)
+    assert all(torch.equal(out[k], expected[k]) for k in base)
+
+
+def test_base_required(model_set):
+    base, tasks = model_set
+    models, _, _ = ordered(base, tasks)
+    with pytest.raises(ValueError, match="base"):
+        mergekit_ram.merge_state_dicts(models, "ramplus")
+
+
+def test_method_object_accepted_and_mergekit_path_still_refuses(model_set):
+    from mergekit_ram.method import ramplus
+
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(models, ramplus, base=base_id)
+    expected, _ = reference.merge(base, tasks, r=0.1)
+    assert all(torch.equal(out[k], expected[k]) for k in base)
+    with pytest.raises(GlobalStatisticsMissing):
+        merge_methods.merge_state_dicts(models, ramplus, base=base_id)
+
+
+def test_other_methods_pass_through(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    ours = mergekit_ram.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    theirs = merge_methods.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    assert all(torch.equal(ours[k], theirs[k]) for k in base)
+
+
+def test_epsilon_parameter_used_for_statistics(model_set):
+    base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", parameters={"epsilon": 5e-3}, base=base_id
+    )
+    expected, lam = reference.merge(base, tasks, r=0.1, epsilon=5e-3)
+    _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
+    assert lam != default_lam
+    assert all(torch.equal(out[k], expected[k]) for k in base)

@@ -1,0 +1,286 @@
+"""The start-up hook: plain mergekit sees `ram`/`ramplus` in fresh interpreters.
+
+Every check that depends on interpreter start-up runs in a subprocess of this
+venv's Python (or its console scripts). The slow ones (each imports torch and
+mergekit) are started together once per module and awaited by the tests.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import read_json
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+
+import mergekit_ram
+from mergekit_ram.method import RAMMerge
+
+BIN = Path(sys.executable).parent
+TIMEOUT = 300
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_RAM_AUTOLOAD"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1", **extra)
+    return env
+
+
+# Prints what a fresh interpreter ended up with, as JSON on the last line.
+REPORT = """
+import json, sys
+def _state():
+    from mergekit.merge_methods import registry
+    plan = sys.modules.get("mergekit.plan")
+    merge = sys.modules.get("mergekit.merge")
+    out = {}
+    for name in ("ram", "ramplus"):
+        method = registry._METHODS.get(name)
+        out[name] = type(method).__module__ + "." + type(method).__name__
+    out["planner"] = plan is not None and all(
+        hasattr(getattr(plan.MergePlanner, f), "__mergekit_ram__")
+        for f in ("_plan", "plan_to_disk")
+    )
+    out["card"] = merge is not None and hasattr(
+        merge.generate_card, "__mergekit_ram__"
+    )
+    return out
+first = _state()
+import mergekit.merge, mergekit.plan
+final = _state()
+print(json.dumps({"first": first, "final": final}))
+"""
+
+ORDERS = {
+    "merge_methods": "import mergekit.merge_methods",
+    "plan": "import mergekit.plan",
+    "merge": "import mergekit.merge",
+    "mergekit_ram": "import mergekit_ram",
+}
+
+AUTOLOAD_OFF = """
+import json, sys
+from mergekit.merge_methods import get
+from mergekit.merge_methods.ram import ram_merge
+from mergekit.plan import MergePlanner
+try:
+    get("ramplus")
+    ramplus = "registered"
+except RuntimeError as error:
+    ramplus = "RuntimeError: " + str(error)
+print(json.dumps({
+    "ramplus": ramplus,
+    "ram_is_stock": get("ram") is ram_merge,
+    "patched": hasattr(MergePlanner._plan, "__mergekit_ram__"),
+    "mergekit_ram_imported": "mergekit_ram" in sys.modules,
+}))
+"""
+
+
+class Launched:
+    """Subprocesses started together; `result(name)` waits for one."""
+
+    def __init__(self):
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._done: dict[str, tuple[int, str, str]] = {}
+
+    def start(self, name: str, args: list[str], cwd: Path, env: dict) -> None:
+        self._procs[name] = subprocess.Popen(
+            args,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self, name: str) -> tuple[int, str, str]:
+        if name not in self._done:
+            proc = self._procs[name]
+            out, err = proc.communicate(timeout=TIMEOUT)
+            self._done[name] = (proc.returncode, out, err)
+        return self._done[name]
+
+    def json(self, name: str) -> dict:
+        code, out, err = self.result(name)
+        assert code == 0, err
+        return json.loads(out.strip().splitlines()[-1])
+
+    def close(self):
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def cli_family(model_family):
+    return model_family("cli", seed=11)
+
+
+@pytest.fixture(scope="module")
+def launched(cli_family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("autoload")
+    config = root / "ramplus.yml"
+    config.write_text(
+        cli_family.yaml("ramplus", parameters={"r": 0.3, "alpha": 1.0}),
+        encoding="utf-8",
+    )
+    runs = Launched()
+    for tool, args in (
+        ("mergekit-yaml", [str(BIN / "mergekit-yaml")]),
+        ("mergekit-ram", [str(BIN / "mergekit-ram"), "merge"]),
+    ):
+        out = root / tool
+        runs.start(tool, [*args, str(config), str(out)], root, child_env())
+    for name, imports in ORDERS.items():
+        code = imports + "\n" + REPORT
+        runs.start(name, [sys.executable, "-c", code], root, child_env())
+    runs.start(
+        "off",
+        [sys.executable, "-c", AUTOLOAD_OFF],
+        root,
+        child_env(MERGEKIT_RAM_AUTOLOAD="0"),
+    )
+    runs.root = root
+    runs.config = config
+    yield runs
+    runs.close()
+
+
+def test_plain_mergekit_yaml_runs_ramplus(launched):
+    code, _, err = launched.result("mergekit-yaml")
+    assert code == 0, err
+    out = launched.root / "mergekit-yaml"
+    assert (out / "model.safetensors").is_file()
+    doc = read_json(out / "ram_statistics.json")
+    assert doc["r"] == 0.3 and doc["alpha"] == 1.0
+    assert all(row["scale"] > 1 for row in doc["tasks"])
+    assert "### RAM+ statistics" in (out / "README.md").read_text(encoding="utf-8")
+    written = (out / "mergekit_config.yml").read_text(encoding="utf-8")
+    assert written == launched.config.read_text(encoding="utf-8")
+
+
+def test_three_entry_points_byte_identical(launched, tmp_path):
+    for tool in ("mergekit-yaml", "mergekit-ram"):
+        code, _, err = launched.result(tool)
+        assert code == 0, f"{tool}: {err}"
+    text = launched.config.read_text(encoding="utf-8")
+    out = tmp_path / "python"
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(yaml.safe_load(text)),
+        str(out),
+        MergeOptions(quiet=True),
+    )
+    weights = {
+        name: (path / "model.safetensors").read_bytes()
+        for name, path in (
+            ("mergekit-yaml", launched.root / "mergekit-yaml"),
+            ("mergekit-ram", launched.root / "mergekit-ram"),
+            ("python", out),
+        )
+    }
+    assert weights["mergekit-yaml"] == weights["python"]
+    assert weights["mergekit-ram"] == weights["python"]
+
+    def counts(path):
+        doc = read_json(path / "ram_statistics.json")
+        doc.pop("seconds")
+        return doc
+
+    python_counts = counts(out)
+    assert counts(launched.root / "mergekit-yaml") == python_counts
+    assert counts(launched.root / "mergekit-ram") == python_counts
+
+
+def test_autoload_off_leaves_stock_mergekit(launched):
+    state = launched.json("off")
+    assert state["ramplus"].startswith("RuntimeError")
+    assert state["ram_is_stock"] is True
+    assert state["patched"] is False
+    assert state["mergekit_ram_imported"] is False
+
+
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_import_orders_end_registered_and_patched(launched, order):
+    state = launched.json(order)
+    for when in ("first", "final"):
+        assert state[when]["ram"] == "mergekit_ram.method.RAMMerge", when
+        assert state[when]["ramplus"] == "mergekit_ram.method.RAMMerge", when
+    assert state["final"]["planner"] is True
+    assert state["final"]["card"] is True
+    if order != "merge_methods":
+        # mergekit.plan was imported by the order itself: patched at once.
+        assert state["first"]["planner"] is True
+
+
+def test_merge_methods_alone_registers_both(launched):
+    """`import mergekit.merge_methods` and nothing else registers the methods."""
+    state = launched.json("merge_methods")["first"]
+    assert state["ram"] == "mergekit_ram.method.RAMMerge"
+    assert state["ramplus"] == "mergekit_ram.method.RAMMerge"
+
+
+def test_hook_is_lazy():
+    """At start-up the hook (this project's) is loaded, mergekit and torch not."""
+    import _mergekit_ram_autoload
+
+    code = (
+        "import sys, json; print(json.dumps([m in sys.modules for m in "
+        "('mergekit', 'torch', 'mergekit_ram')] + "
+        "[sys.modules['_mergekit_ram_autoload'].__file__]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=True,
+    ).stdout
+    *loaded, hook = json.loads(out)
+    assert loaded == [False, False, False]
+    assert Path(hook).resolve() == Path(_mergekit_ram_autoload.__file__).resolve()
+
+
+def test_hook_start_up_cost_below_50ms(tmp_path):
+    """`python -X importtime -c pass`: the hook's cumulative import time.
+
+    The best of several starts, so a busy machine cannot make it flaky.
+    """
+    pattern = re.compile(
+        r"import time:\s+(\d+)\s+\|\s+(\d+)\s+\|\s+_mergekit_ram_autoload$"
+    )
+    timings = []
+    for _ in range(7):
+        err = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", "pass"],
+            cwd=tmp_path,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=True,
+        ).stderr
+        lines = [m for line in err.splitlines() if (m := pattern.search(line))]
+        assert len(lines) == 1, err
+        timings.append(int(lines[0].group(2)))
+    assert min(timings) < 50_000, timings
+
+
+def test_entry_points_declared():
+    eps = importlib.metadata.entry_points(group="mergekit.merge_methods")
+    ours = {ep.name: ep for ep in eps if ep.value.startswith("mergekit_ram")}
+    assert sorted(ours) == ["ram", "ramplus"]
+    for name, ep in ours.items():
+        method = ep.load()
+        assert isinstance(method, RAMMerge)
+        assert method.spec.name == name

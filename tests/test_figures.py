@@ -1,0 +1,150 @@
+"""The analysis figures: real PNGs of the documented size with data drawn on them."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mergekit_ram import figures
+from mergekit_ram.analyze import PAPER_DEFAULTS, Analysis, build_report, write_report
+from mergekit_ram.statistics import OverlapStatistics
+
+pytest.importorskip("matplotlib")
+
+EPSILON = 1e-5
+VIRIDIS_FIRST = (68, 1, 84)  # overlap k = 0 (unique) segments
+TAB10_FIRST = (31, 119, 180)  # first task's line
+BLUES_LAST = (8, 48, 107)  # Jaccard 1.0 on the diagonal
+
+
+def llama_names(layers: int) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (24, 8)}
+    for i in range(layers):
+        shapes[f"model.layers.{i}.input_layernorm.weight"] = (8,)
+        shapes[f"model.layers.{i}.self_attn.q_proj.weight"] = (8, 8)
+        shapes[f"model.layers.{i}.mlp.up_proj.weight"] = (16, 8)
+    shapes["model.norm.weight"] = (8,)
+    shapes["lm_head.weight"] = (24, 8)
+    return shapes
+
+
+def make_report(densities, shapes, seed=0) -> dict:
+    """A report from the statistics engine on seeded sparse task vectors."""
+    g = torch.Generator().manual_seed(seed)
+    stats = OverlapStatistics(epsilon=EPSILON)
+    for index, (name, shape) in enumerate(shapes.items()):
+        base = torch.randn(shape, generator=g)
+        tasks = {}
+        for t, density in enumerate(densities):
+            skew = 1.0 + 0.5 * ((index + t) % 3 - 1)
+            keep = torch.rand(shape, generator=g) < density * skew
+            tasks[f"/models/agent{t}"] = base + 0.01 * keep
+        stats.add(name, base, tasks)
+    analysis = Analysis(
+        "ramplus",
+        "/models/base",
+        PAPER_DEFAULTS,
+        stats,
+        stats.scales(PAPER_DEFAULTS.rule),
+    )
+    return build_report(analysis)
+
+
+def pixels(path):
+    image = Image.open(path)
+    assert image.format == "PNG"
+    return image
+
+
+def rgb(image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), dtype=np.int32)
+
+
+def has_colour(image, colour, tolerance=12) -> bool:
+    close = np.abs(rgb(image) - np.array(colour, dtype=np.int32)) <= tolerance
+    return bool(close.all(axis=-1).any())
+
+
+def assert_not_blank(image):
+    array = rgb(image)
+    assert array.var() > 0
+    packed = (array[..., 0] << 16) | (array[..., 1] << 8) | array[..., 2]
+    assert len(np.unique(packed)) > 20
+    # More than a sliver of the canvas is ink, not background.
+    white = (array == 255).all(axis=-1).mean()
+    assert white < 0.95
+
+
+@pytest.fixture(scope="module")
+def report():
+    return make_report([0.05, 0.3, 0.5], llama_names(3))
+
+
+def test_figures_are_pngs_of_the_documented_size(report, tmp_path):
+    names = figures.write_figures(report, str(tmp_path))
+    assert names == list(figures.FIGURES)
+    for name in names:
+        image = pixels(tmp_path / name)
+        width, height = figures.FIGURES[name]
+        assert image.size == (round(width * figures.DPI), round(height * figures.DPI))
+        assert_not_blank(image)
+
+
+def test_figures_show_the_data(report, tmp_path):
+    figures.write_figures(report, str(tmp_path))
+    assert has_colour(pixels(tmp_path / "overlap_histogram.png"), VIRIDIS_FIRST)
+    assert has_colour(pixels(tmp_path / "density_per_layer.png"), TAB10_FIRST)
+    assert has_colour(pixels(tmp_path / "jaccard.png"), BLUES_LAST)
+    # Figures change with the data.
+    other = make_report([0.4, 0.1, 0.2], llama_names(3), seed=5)
+    figures.write_figures(other, str(tmp_path / "other"))
+    for name in figures.FIGURES:
+        first = (tmp_path / name).read_bytes()
+        assert first != (tmp_path / "other" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    ("densities", "layers"),
+    [
+        ([0.3], 2),  # one task: every change unique, 1×1 Jaccard
+        ([0.2, 0.0, 0.4], 2),  # a task identical to the base
+        ([0.2, 0.3], 0),  # no layered tensors
+        ([0.05 * (i + 1) for i in range(12)], 2),  # more tasks than tab10 colours
+    ],
+    ids=["one-task", "empty-task", "no-layers", "twelve-tasks"],
+)
+def test_edge_cases_still_draw(densities, layers, tmp_path):
+    report = make_report(densities, llama_names(layers))
+    for name in figures.write_figures(report, str(tmp_path)):
+        image = pixels(tmp_path / name)
+        assert image.size == tuple(
+            round(v * figures.DPI) for v in figures.FIGURES[name]
+        )
+        assert_not_blank(image)
+
+
+def test_write_report_lists_the_figures(report, tmp_path):
+    paths, message = write_report(report, str(tmp_path / "out"))
+    assert [p.split("/")[-1] for p in paths] == [
+        "report.json",
+        "report.md",
+        *figures.FIGURES,
+    ]
+    assert "pip install" not in message
+    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
+    for name in figures.FIGURES:
+        assert f"]({name})" in md
+
+
+def test_without_matplotlib(report, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert not figures.available()
+    paths, message = write_report(report, str(tmp_path))
+    assert [p.split("/")[-1] for p in paths] == ["report.json", "report.md"]
+    assert figures.INSTALL_HINT == "pip install 'mergekit-ram[plots]'"
+    assert figures.INSTALL_HINT in message
+    assert not list(tmp_path.glob("*.png"))

@@ -1,0 +1,166 @@
+"""The statistics pass keeps about one tensor group in memory, not the model.
+
+Two families share their largest tensor (and every tensor shape) but differ
+eight-fold in depth. In a fresh interpreter each runs mergekit's planner with
+the real hook; the statistics pass (mergekit_ram.planning.collect_planned) is
+wrapped to sample the process's anonymous resident memory while it runs.
+
+Why anonymous memory: safetensors hands out tensors that are views of the
+memory-mapped checkpoint, so touched file pages count towards RSS (and
+ru_maxrss) whether or not anything still references them: that is page
+cache, not memory the pass holds. The checkpoints are bf16 and the merge asks
+for `dtype: float32`, so every tensor the pass receives is an anonymous
+float32 copy: a pass that kept groups alive would show up in RssAnon at full
+size (4 bytes per element per model).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TaskSpec
+
+MEASURE = r"""
+import gc, json, sys, threading, time
+import yaml
+from mergekit.architecture import get_architecture_info
+from mergekit.config import MergeConfiguration
+from mergekit.io.tasks import LoaderCache
+from mergekit.merge import _model_out_config
+from mergekit.options import MergeOptions
+from mergekit.plan import MergePlanner
+
+import mergekit_ram.planning as planning
+
+
+def anon_kib():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+with open(sys.argv[1], encoding="utf-8") as handle:
+    config = MergeConfiguration.model_validate(yaml.safe_load(handle))
+options = MergeOptions(quiet=True)
+arch = get_architecture_info(config, options)
+LoaderCache().setup(options=options)
+for model in config.referenced_models():
+    LoaderCache().get(model)
+planner = MergePlanner(
+    config, arch, options=options, out_model_config=_model_out_config(config, arch)
+)
+
+result = {}
+original = planning.collect_planned
+
+
+def measured(*args, **kwargs):
+    gc.collect()
+    baseline = anon_kib()
+    peak = [baseline]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon_kib())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        stats = original(*args, **kwargs)
+    finally:
+        stop.set()
+        sampler.join()
+    peak[0] = max(peak[0], anon_kib())
+    result.update(
+        baseline_kib=baseline,
+        peak_kib=peak[0],
+        num_elements=stats.num_elements,
+        num_tensors=stats.num_tensors,
+        tasks=len(stats.tasks),
+    )
+    return stats
+
+
+planning.collect_planned = measured
+planner._plan()
+print(json.dumps(result))
+"""
+
+SHAPE = dict(hidden=256, intermediate=1024, heads=4, kv_heads=4, vocab=256)
+TASKS = (TaskSpec("a", density=0.05), TaskSpec("b", density=0.1))
+DEPTHS = (4, 32)
+
+
+@pytest.fixture(scope="module")
+def measurements(model_family, tmp_path_factory):
+    root = tmp_path_factory.mktemp("memory")
+    procs = {}
+    families = {}
+    # Each measurement starts as soon as its family is written.
+    for layers in DEPTHS:
+        family = model_family(
+            f"memory-{layers}",
+            tasks=TASKS,
+            layers=layers,
+            dtype=torch.bfloat16,
+            tokenizer=False,
+            **SHAPE,
+        )
+        families[layers] = family
+        config = root / f"{layers}.yml"
+        config.write_text(family.yaml("ramplus", dtype="float32"), encoding="utf-8")
+        procs[layers] = subprocess.Popen(
+            [sys.executable, "-c", MEASURE, str(config)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    results = {}
+    for layers, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        results[layers] = json.loads(out.strip().splitlines()[-1])
+    return families, results
+
+
+def test_statistics_pass_memory_follows_largest_group(measurements):
+    families, results = measurements
+    models = 1 + len(TASKS)
+    small, large = (families[d] for d in DEPTHS)
+    small_base, large_base = small.state("base"), large.state("base")
+    # Same largest tensor, many more tensors.
+    largest = max(t.numel() for t in small_base.values())
+    assert largest == max(t.numel() for t in large_base.values())
+    float32_model = {
+        d: 4 * sum(t.numel() for t in f.state("base").values())
+        for d, f in families.items()
+    }
+    for d in DEPTHS:
+        assert results[d]["num_elements"] * 4 == float32_model[d]
+        assert results[d]["tasks"] == len(TASKS)
+    # What the pass would hold if it kept every group (all models, float32).
+    held_all = {d: models * float32_model[d] for d in DEPTHS}
+    group_bytes = models * 4 * largest
+    assert held_all[32] - held_all[4] > 40 * group_bytes
+
+    growth = {
+        d: 1024 * (results[d]["peak_kib"] - results[d]["baseline_kib"]) for d in DEPTHS
+    }
+    report = (
+        f"pass growth {growth} bytes; largest group {group_bytes} bytes; "
+        f"all inputs {held_all} bytes"
+    )
+    # The deeper model costs the pass (almost) nothing extra ...
+    assert growth[32] - growth[4] < 0.05 * (held_all[32] - held_all[4]), report
+    # ... and the pass itself stays within a handful of groups, far below
+    # the model.
+    assert growth[32] < 0.15 * held_all[32], report

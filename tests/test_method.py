@@ -1,0 +1,351 @@
+"""`ram` / `ramplus` as mergekit merge methods: registration, parity, parameters."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pydantic
+import pytest
+import reference
+import torch
+from mergekit import merge_methods
+from mergekit.merge_methods import ram as stock_ram
+from mergekit.merge_methods import registry
+from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
+
+import mergekit_ram
+from mergekit_ram.install import (
+    SUPPORTED,
+    IncompatibleMergekit,
+    install,
+    patch_card,
+    patch_planner,
+    register_methods,
+)
+from mergekit_ram.method import GlobalStatisticsMissing, RAMMerge, ram, ramplus
+
+STOCK = stock_ram.ram_merge
+CASES = [
+    ((50,), [0.5]),
+    ((16, 24), [0.3, 0.4]),
+    ((20, 12), [0.3, 0.4, 0.5]),
+    ((3, 8, 9), [0.2, 0.6, 0.4, 0.3]),
+]
+
+
+@pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
+def case(request):
+    shape, densities = CASES[request.param]
+    base, tasks = sparse_tasks(shape, densities, seed=100 + request.param)
+    assert_all_classes(base, tasks)
+    return base, tasks
+
+
+def ref_merge(base, tasks, **kwargs):
+    merged, _ = reference.merge(*as_dicts(base, tasks), **kwargs)
+    return merged["w"]
+
+
+# --- registration -----------------------------------------------------------
+
+
+def test_import_registers_ours():
+    assert mergekit_ram.install is install
+    assert merge_methods.get("ram") is ram
+    assert merge_methods.get("ramplus") is ramplus
+    assert isinstance(ram, RAMMerge) and isinstance(ramplus, RAMMerge)
+    assert ram in merge_methods.registered_methods()
+    assert ramplus in merge_methods.registered_methods()
+    # Stock's tensor-local variant is left alone.
+    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
+
+
+def test_install_twice_is_idempotent():
+    from mergekit import merge as merge_module
+    from mergekit import plan
+
+    install()
+    table = dict(registry._METHODS)
+    planner = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
+    card = merge_module.generate_card
+    install()
+    register_methods()
+    install(eager=False)
+    assert registry._METHODS.keys() == table.keys()
+    assert all(registry._METHODS[name] is method for name, method in table.items())
+    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == planner
+    assert merge_module.generate_card is card
+    # Wrapped exactly once: what the wrapper wraps is mergekit's own function.
+    for wrapped in (*planner, card):
+        assert hasattr(wrapped, "__mergekit_ram__")
+        assert not hasattr(wrapped.__mergekit_ram__, "__mergekit_ram__")
+
+
+def test_stock_ram_is_replaced(monkeypatch):
+    monkeypatch.setitem(registry._METHODS, "ram", STOCK)
+    register_methods()
+    assert merge_methods.get("ram") is ram
+
+
+def test_foreign_ramplus_is_refused(monkeypatch):
+    foreign = merge_methods.get("linear")
+    monkeypatch.setitem(registry._METHODS, "ramplus", foreign)
+    with pytest.raises(IncompatibleMergekit) as error:
+        register_methods()
+    message = str(error.value)
+    assert "'ramplus'" in message and "already registered" in message
+    assert type(foreign).__module__ in message
+    assert SUPPORTED in message
+    assert registry._METHODS["ramplus"] is foreign  # not overwritten
+
+
+def test_foreign_ram_is_refused(monkeypatch):
+    foreign = merge_methods.get("linear")
+    monkeypatch.setitem(registry._METHODS, "ram", foreign)
+    with pytest.raises(IncompatibleMergekit, match="'ram' is already registered"):
+        install()
+    assert registry._METHODS["ram"] is foreign
+
+
+def test_registration_restored_after_monkeypatch():
+    # Runs after the refusal tests: the registry holds ours again.
+    assert merge_methods.get("ram") is ram
+    assert merge_methods.get("ramplus") is ramplus
+
+
+def test_missing_registry_table(monkeypatch):
+    monkeypatch.delattr(registry, "_METHODS")
+    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
+        register_methods()
+
+
+def test_registry_table_of_wrong_type(monkeypatch):
+    monkeypatch.setattr(registry, "_METHODS", list(registry._METHODS.values()))
+    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
+        install()
+
+
+def test_missing_planner_or_card_generator():
+    with pytest.raises(IncompatibleMergekit, match="MergePlanner._plan"):
+        patch_planner(types.ModuleType("fake_plan"))
+    with pytest.raises(IncompatibleMergekit, match="generate_card"):
+        patch_card(types.ModuleType("fake_merge"))
+
+
+# --- parity with stock ram ----------------------------------------------------
+
+
+@pytest.mark.parametrize("parameters", [None, {"epsilon": 1e-3}])
+def test_ram_equals_stock_float32(case, parameters):
+    base, tasks = case
+    tensors = [base, *tasks]
+    stock = merge_methods.merge_tensors(
+        tensors, STOCK, parameters=parameters, base_index=0
+    )
+    ours = merge_methods.merge_tensors(
+        tensors, "ram", parameters=parameters, base_index=0
+    )
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, stock)
+    api = mergekit_ram.merge_tensors(
+        tensors, "ram", parameters=parameters, base_index=0
+    )
+    assert torch.equal(api, stock)
+
+
+def test_ram_equals_stock_with_base_not_first(case):
+    base, tasks = case
+    tensors = [*tasks[:1], base, *tasks[1:]]
+    stock = merge_methods.merge_tensors(tensors, STOCK, base_index=1)
+    ours = merge_methods.merge_tensors(tensors, "ram", base_index=1)
+    assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ram_low_precision_is_stock_float32_rounded_once(case, dtype):
+    base, tasks = cast(*case, dtype)
+    tensors = [base, *tasks]
+    ours = merge_methods.merge_tensors(tensors, "ram", base_index=0)
+    upcast = [t.float() for t in tensors]
+    stock = merge_methods.merge_tensors(upcast, STOCK, base_index=0)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, stock.to(dtype))
+    if len(tasks) > 1:
+        # Stock computes in the stored dtype; ours does not.
+        in_dtype = merge_methods.merge_tensors(tensors, STOCK, base_index=0)
+        assert not torch.equal(ours, in_dtype)
+
+
+def test_ram_state_dicts_equal_stock():
+    base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
+    bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
+    models = [{"w": base, "b": bias}] + [
+        {"w": t, "b": b} for t, b in zip(tasks, bias_tasks)
+    ]
+    stock = merge_methods.merge_state_dicts(models, STOCK, base=0)
+    ours = merge_methods.merge_state_dicts(models, "ram", base=0)
+    assert stock.keys() == ours.keys() == {"w", "b"}
+    assert all(torch.equal(ours[k], stock[k]) for k in stock)
+
+
+# --- declared parameters ------------------------------------------------------
+
+
+def defaults(method):
+    return {p.name: p.default for p in method.spec.parameters}
+
+
+def test_spec_defaults():
+    common = {
+        "epsilon": 1e-5,
+        "alpha": 2.0,
+        "saturation": "clip",
+        "statistics": "global",
+        "unique_scale": None,
+    }
+    assert defaults(ram) == {**common, "r": 0.0}
+    assert defaults(ramplus) == {**common, "r": 0.1}
+    for method in (ram, ramplus):
+        assert method.spec.contract.base == merge_methods.BasePolicy.REQUIRED
+        scopes = {p.name: p.scope for p in method.spec.parameters}
+        assert scopes.pop("unique_scale") == merge_methods.ParameterScope.NON_BASE
+        assert set(scopes.values()) == {merge_methods.ParameterScope.SHARED}
+        assert method.spec.reference_url == "https://arxiv.org/abs/2601.13572"
+    assert ram.spec.name == "ram" and ramplus.spec.name == "ramplus"
+
+
+def test_ramplus_defaults_are_used(case):
+    base, tasks = case
+    tensors = [base, *tasks]
+    out = merge_methods.merge_tensors(
+        tensors, "ramplus", parameters={"statistics": "tensor"}, base_index=0
+    )
+    expected = ref_merge(base, tasks, r=0.1, alpha=2.0, statistics="tensor")
+    assert torch.equal(out, expected)
+    if len(tasks) > 1:
+        assert not torch.equal(out, ref_merge(base, tasks))
+
+
+BAD = [
+    {"epsilon": -1e-6},
+    {"r": -0.1},
+    {"alpha": -1.0},
+    {"epsilon": math.nan},
+    {"r": math.nan},
+    {"alpha": math.nan},
+    {"r": math.inf},
+    {"saturation": "hard"},
+    {"statistics": "model"},
+    {"unique_scale": -1.0},
+    {"unique_scale": math.nan},
+]
+
+
+@pytest.mark.parametrize(
+    "bad", BAD, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items())
+)
+@pytest.mark.parametrize("name", ["ram", "ramplus"])
+def test_invalid_parameters_are_rejected(bad, name):
+    base, tasks = sparse_tasks((6, 6), [0.5, 0.5], seed=0)
+    parameters = {"statistics": "tensor", **bad}
+    for merge in (merge_methods.merge_tensors, mergekit_ram.merge_tensors):
+        with pytest.raises(pydantic.ValidationError):
+            merge([base, *tasks], name, parameters=parameters, base_index=0)
+
+
+def test_unknown_parameter_is_rejected():
+    base, tasks = sparse_tasks((6, 6), [0.5, 0.5], seed=0)
+    with pytest.raises(TypeError, match="lambda"):
+        merge_methods.merge_tensors(
+            [base, *tasks], "ram", parameters={"lambda": 1.2}, base_index=0
+        )
+
+
+def test_base_is_required():
+    base, tasks = sparse_tasks((6, 6), [0.5, 0.5], seed=0)
+    with pytest.raises(ValueError, match="base"):
+        merge_methods.merge_tensors([base, *tasks], "ram")
+
+
+# --- global statistics outside our entry points ---------------------------------
+
+
+def test_global_ramplus_without_statistics_raises(case):
+    base, tasks = case
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(GlobalStatisticsMissing) as error:
+        merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0, name=name)
+    message = str(error.value)
+    assert isinstance(error.value, RuntimeError)
+    assert "ramplus" in message and name in message
+    # Actionable: says what to do instead.
+    assert "statistics: tensor" in message
+    assert "unique_scale" in message
+    assert "merge_state_dicts" in message and "mergekit-yaml" in message
+
+
+def test_global_ram_with_r_without_statistics_raises(case):
+    base, tasks = case
+    with pytest.raises(GlobalStatisticsMissing, match="statistics"):
+        merge_methods.merge_tensors(
+            [base, *tasks], "ram", parameters={"r": 0.2}, base_index=0
+        )
+
+
+def test_global_ramplus_via_mergekit_state_dicts_raises():
+    base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
+    models = [{"w": base}] + [{"w": t} for t in tasks]
+    with pytest.raises(GlobalStatisticsMissing, match="before w is merged"):
+        merge_methods.merge_state_dicts(models, "ramplus", base=0)
+
+
+def test_global_ramplus_partial_unique_scale_still_raises():
+    base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
+    with pytest.raises(GlobalStatisticsMissing):
+        merge_methods.merge_tensors(
+            [base, *tasks],
+            "ramplus",
+            parameters={"unique_scale": [1.5, None]},
+            base_index=0,
+        )
+
+
+@pytest.mark.parametrize("saturation", ["clip", "soft"])
+@pytest.mark.parametrize("r,alpha", [(0.1, 2.0), (0.5, 1.0)])
+def test_tensor_scope_works_through_mergekit(case, saturation, r, alpha):
+    base, tasks = case
+    parameters = {"statistics": "tensor", "saturation": saturation, "r": r}
+    parameters["alpha"] = alpha
+    out = merge_methods.merge_tensors(
+        [base, *tasks], "ramplus", parameters=parameters, base_index=0
+    )
+    expected = ref_merge(
+        base, tasks, r=r, alpha=alpha, saturation=saturation, statistics="tensor"
+    )
+    assert torch.equal(out, expected)
+
+
+def test_ramplus_without_statistics_needed_works_through_mergekit(case):
+    base, tasks = case
+    tensors = [base, *tasks]
+    # r = 0 is plain RAM.
+    out = merge_methods.merge_tensors(
+        tensors, "ramplus", parameters={"r": 0.0}, base_index=0
+    )
+    assert torch.equal(out, ref_merge(base, tasks))
+    # Every task has an explicit λ: nothing to count.
+    scales = [1.1 + 0.2 * i for i in range(len(tasks))]
+    out = merge_methods.merge_tensors(
+        tensors, "ramplus", parameters={"unique_scale": scales}, base_index=0
+    )
+    assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
+
+
+def test_epsilon_parameter_reaches_kernel(case):
+    base, tasks = case
+    out = merge_methods.merge_tensors(
+        [base, *tasks], "ram", parameters={"epsilon": 4e-3}, base_index=0
+    )
+    assert torch.equal(out, ref_merge(base, tasks, epsilon=4e-3))
+    assert not torch.equal(out, ref_merge(base, tasks))

@@ -1,0 +1,484 @@
+"""Global RAM+ end to end through mergekit's planner (mergekit_ram.run_merge).
+
+Every merge here is compared with tests/reference.py, the dense reference of
+RAM_SPEC.md, applied to the whole model: float32 checkpoints must match it
+bit for bit, bf16 checkpoints must match the float32 reference of the bf16
+inputs rounded once to bf16.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import reference
+import torch
+import yaml
+from conftest import TaskSpec, read_json, words_for
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+from safetensors.torch import load_file
+
+import mergekit_ram
+import mergekit_ram.planning
+from mergekit_ram.method import ramplus
+
+STATISTICS_FILE = "ram_statistics.json"
+
+
+def spec_default(name: str):
+    return next(p.default for p in ramplus.spec.parameters if p.name == name)
+
+
+EPSILON = spec_default("epsilon")
+
+
+def run(text: str, out: Path, **options) -> Path:
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True, **options))
+    return out
+
+
+def merged_state(out: Path) -> dict[str, torch.Tensor]:
+    assert not (out / "model.safetensors.index.json").exists()
+    return load_file(str(out / "model.safetensors"))
+
+
+def assert_same_state(actual, expected):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert actual[name].dtype == expected[name].dtype, name
+        assert actual[name].shape == expected[name].shape, name
+        assert torch.equal(actual[name], expected[name]), name
+
+
+def assert_statistics(doc, paths, base, tasks, *, r, alpha, saturation, lambdas):
+    """ram_statistics.json against the reference's whole-model counts."""
+    n = len(tasks)
+    C, S, U, hist = reference.csu(reference.counts(base, tasks, EPSILON), n)
+    assert doc["epsilon"] == EPSILON
+    assert doc["r"] == r
+    assert doc["alpha"] == alpha
+    assert doc["saturation"] == saturation
+    assert doc["statistics"] == "global"
+    assert doc["num_tensors"] == len(base)
+    assert doc["num_elements"] == sum(t.numel() for t in base.values())
+    assert isinstance(doc["seconds"], (int, float)) and doc["seconds"] >= 0
+    rows = {row["model"]: row for row in doc["tasks"]}
+    assert sorted(rows) == sorted(paths)
+    for t, path in enumerate(paths):
+        row = rows[path]
+        assert row["changed"] == C[t], path
+        assert row["shared"] == S[t], path
+        assert row["unique"] == U[t], path
+        assert row["overlap_histogram"] == hist[t], path
+        assert row["elements"] == doc["num_elements"]
+        if U[t]:
+            assert row["rho"] == pytest.approx(S[t] / U[t], rel=1e-12)
+        elif S[t]:
+            assert row["rho"] is None
+        else:
+            assert row["rho"] == 0
+        assert row["scale"] == pytest.approx(lambdas[t], rel=1e-12), path
+
+
+def local_lambdas(base, tasks, **rule):
+    """λ per tensor (tensor-local statistics), by the reference's own formulas."""
+    per_tensor = reference.counts(base, tasks, EPSILON)
+    out = {}
+    for name, entry in per_tensor.items():
+        C, S, U, _ = reference.csu({name: entry}, len(tasks))
+        out[name] = [reference.lam(C[t], S[t], U[t], **rule) for t in range(len(tasks))]
+    return out
+
+
+CASES = {
+    "clip": dict(r=0.3, alpha=1.0, saturation="clip"),
+    "soft": dict(r=0.25, alpha=spec_default("alpha"), saturation="soft"),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_global_ramplus_equals_reference(
+    rule, dtype, family_f32, family_bf16, tmp_path
+):
+    family = family_f32 if dtype == "float32" else family_bf16
+    settings = CASES[rule]
+    out = run(family.yaml("ramplus", parameters=dict(settings)), tmp_path / "out")
+
+    base = family.state("base")
+    tasks = family.task_states()
+    assert all(t.dtype == getattr(torch, dtype) for t in base.values())
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    merged = merged_state(out)
+    assert_same_state(merged, expected)
+    assert all(lam > 1 for lam in lambdas)
+
+    # The family is built so that tensor-local statistics would give other λ
+    # and another model: the global scope is what was computed.
+    local = local_lambdas(base, tasks, **settings)
+    for t in range(len(tasks)):
+        assert max(abs(lams[t] - lambdas[t]) for lams in local.values()) > 1e-3
+    tensor_scope, _ = reference.merge(base, tasks, statistics="tensor", **settings)
+    assert any(not torch.equal(tensor_scope[k], merged[k]) for k in merged)
+
+    doc = read_json(out / STATISTICS_FILE)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+
+
+def test_tied_embeddings_counted_once(model_family, tmp_path):
+    family = model_family("tied", tie=True, seed=2)
+    base = family.state("base")
+    assert "lm_head.weight" not in base
+    assert "model.embed_tokens.weight" in base
+    settings = CASES["clip"]
+    out = run(family.yaml("ramplus", parameters=dict(settings)), tmp_path / "out")
+
+    tasks = family.task_states()
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    merged = merged_state(out)
+    assert "lm_head.weight" not in merged
+    assert_same_state(merged, expected)
+    doc = read_json(out / STATISTICS_FILE)
+    assert doc["num_tensors"] == len(base)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+
+    # Counting the shared matrix a second time (as lm_head) changes λ here,
+    # so the test would notice a double count.
+    doubled = {**base, "lm_head.weight": base["model.embed_tokens.weight"]}
+    doubled_tasks = [
+        {**t, "lm_head.weight": t["model.embed_tokens.weight"]} for t in tasks
+    ]
+    _, doubled_lambdas = reference.merge(doubled, doubled_tasks, **settings)
+    assert doubled_lambdas != lambdas
+
+
+def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
+    """Different vocabularies: the statistics see mergekit's union layout.
+
+    'wide' has the base's words plus four of its own; 'shuffled' has the
+    base's words in another order. The union vocabulary is read from the
+    output tokenizer and each model's tensors are permuted into it here,
+    independently of mergekit: a row a model has is its own, a token only
+    one model has is copied from that model (mergekit's rule), so such a row
+    is unchanged in every task.
+    """
+    from transformers import AutoTokenizer
+
+    base_words = words_for(40)
+    extra = tuple(f"x{i}" for i in range(4))
+    shuffled = base_words[:3] + tuple(reversed(base_words[3:]))
+    family = model_family(
+        "union",
+        tasks=(
+            TaskSpec("wide", density=0.1, words=base_words + extra),
+            TaskSpec("shuffled", density=0.2, words=shuffled),
+            TaskSpec("same", density=0.3),
+        ),
+        vocab=40,
+        seed=3,
+    )
+    settings = CASES["clip"]
+    text = family.yaml("ramplus", parameters=dict(settings), tokenizer_source="union")
+    out = run(text, tmp_path / "out")
+
+    vocab = AutoTokenizer.from_pretrained(str(out)).get_vocab()
+    assert sorted(vocab) == sorted(base_words + extra)
+    assert read_json(out / "config.json")["vocab_size"] == len(vocab)
+    order = sorted(vocab, key=vocab.get)
+    assert order[: len(base_words)] == list(base_words)
+
+    def permuted(name):
+        state = family.state(name)
+        own = {w: i for i, w in enumerate(family.words[name])}
+        donor = family.state("wide")
+        donor_rows = {w: i for i, w in enumerate(family.words["wide"])}
+        for key in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows = []
+            for word in order:
+                if word in own:
+                    rows.append(state[key][own[word]])
+                else:
+                    rows.append(donor[key][donor_rows[word]])
+            state[key] = torch.stack(rows)
+        return state
+
+    base = permuted("base")
+    tasks = [permuted(n) for n in family.tasks]
+    assert base["model.embed_tokens.weight"].shape[0] == len(order)
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    merged = merged_state(out)
+    assert_same_state(merged, expected)
+    doc = read_json(out / STATISTICS_FILE)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+
+    # Without the permutation the shuffled model would look changed almost
+    # everywhere in its vocabulary rows.
+    raw_base, raw_shuffled = family.state("base"), family.state("shuffled")
+    raw_changed = sum(
+        int(((raw_shuffled[k].float() - raw_base[k].float()).abs() > EPSILON).sum())
+        for k in raw_base
+    )
+    rows = {row["model"]: row for row in doc["tasks"]}
+    assert rows[family.paths["shuffled"]]["changed"] < raw_changed
+
+
+@pytest.fixture(scope="module")
+def edge_family(model_family):
+    return model_family(
+        "edge",
+        tasks=(
+            TaskSpec("wide", density=0.2),
+            TaskSpec("narrow", density=0.1),
+            TaskSpec("inside", subset_of="wide"),
+            TaskSpec("copy", identical=True),
+        ),
+        seed=4,
+    )
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
+    family = edge_family
+    settings = CASES[rule]
+    out = run(family.yaml("ramplus", parameters=dict(settings)), tmp_path / "out")
+
+    base = family.state("base")
+    tasks = family.task_states()
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    assert_same_state(merged_state(out), expected)
+
+    doc = read_json(out / STATISTICS_FILE)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    rows = {row["model"]: row for row in doc["tasks"]}
+
+    inside = rows[family.paths["inside"]]
+    assert inside["changed"] > 0 and inside["unique"] == 0
+    assert inside["shared"] == inside["changed"]
+    assert inside["rho"] is None
+    limit = 1 + settings["r"] * (
+        settings["alpha"] if settings["saturation"] == "clip" else 1.0
+    )
+    assert inside["scale"] == pytest.approx(limit, rel=1e-12)
+
+    copy = rows[family.paths["copy"]]
+    assert copy["changed"] == copy["shared"] == copy["unique"] == 0
+    assert copy["overlap_histogram"] == [0] * len(tasks)
+    assert copy["rho"] == 0
+    assert copy["scale"] == 1.0
+
+    # λ of the task with no unique element is never applied: any value of it
+    # gives the same model.
+    changed_scale, _ = reference.merge(
+        base, tasks, unique_scale=[None, None, 5.0, None], **settings
+    )
+    assert_same_state(changed_scale, expected)
+
+
+def test_single_task_model(family_f32, tmp_path):
+    family = family_f32
+    settings = CASES["clip"]
+    name = family.tasks[1]
+    out = run(
+        family.yaml("ramplus", parameters=dict(settings), tasks=[name]),
+        tmp_path / "out",
+    )
+    base = family.state("base")
+    task = family.state(name)
+    expected, lambdas = reference.merge(base, [task], **settings)
+    assert lambdas == [1.0]
+    assert_same_state(merged_state(out), expected)
+    # Unique elements are kept as they are: the task model minus its
+    # sub-threshold changes, i.e. the task model itself here.
+    for key in base:
+        assert torch.equal(merged_state(out)[key], task[key]), key
+    (row,) = read_json(out / STATISTICS_FILE)["tasks"]
+    assert row["changed"] == row["unique"] > 0
+    assert row["shared"] == 0 and row["rho"] == 0 and row["scale"] == 1.0
+
+
+def _no_pass(monkeypatch):
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("the statistics pass ran")
+
+    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", refuse)
+    return calls
+
+
+def test_tensor_scope_has_no_pass(family_f32, tmp_path, monkeypatch):
+    calls = _no_pass(monkeypatch)
+    family = family_f32
+    settings = CASES["clip"]
+    text = family.yaml("ramplus", parameters={**settings, "statistics": "tensor"})
+    out = run(text, tmp_path / "out")
+    assert not calls
+    assert not (out / STATISTICS_FILE).exists()
+    assert "RAM+ statistics" not in (out / "README.md").read_text(encoding="utf-8")
+    base = family.state("base")
+    tasks = family.task_states()
+    expected, _ = reference.merge(base, tasks, statistics="tensor", **settings)
+    merged = merged_state(out)
+    assert_same_state(merged, expected)
+    global_scope, _ = reference.merge(base, tasks, **settings)
+    assert any(not torch.equal(global_scope[k], merged[k]) for k in merged)
+
+
+def test_ram_has_no_pass_and_matches_stock(family_f32, tmp_path, monkeypatch):
+    from mergekit.merge_methods import merge_state_dicts
+    from mergekit.merge_methods.ram import ram_merge as stock_ram
+
+    calls = _no_pass(monkeypatch)
+    family = family_f32
+    out = run(family.yaml("ram"), tmp_path / "out")
+    assert not calls
+    assert not (out / STATISTICS_FILE).exists()
+    base = family.state("base")
+    tasks = family.task_states()
+    merged = merged_state(out)
+    expected, _ = reference.merge(base, tasks, r=0.0)
+    assert_same_state(merged, expected)
+
+    # Stock mergekit's RAM on the same float32 inputs.
+    models = {"base": base, **{f"t{i}": t for i, t in enumerate(tasks)}}
+    stock = merge_state_dicts(models, stock_ram, base="base")
+    assert sorted(stock) == sorted(merged)
+    for key in merged:
+        assert torch.equal(merged[key], stock[key]), key
+    # ... which ramplus (r > 0) is not.
+    plus, _ = reference.merge(base, tasks, r=0.1)
+    assert any(not torch.equal(plus[k], merged[k]) for k in merged)
+
+
+def test_explicit_unique_scale_skips_pass(family_f32, tmp_path, monkeypatch):
+    calls = _no_pass(monkeypatch)
+    family = family_f32
+    scales = [1.5, 1.25, 2.0]
+    text = family.yaml(
+        "ramplus",
+        parameters=dict(CASES["clip"]),
+        model_parameters={
+            name: {"unique_scale": s} for name, s in zip(family.tasks, scales)
+        },
+    )
+    out = run(text, tmp_path / "out")
+    assert not calls
+    assert not (out / STATISTICS_FILE).exists()
+    base = family.state("base")
+    tasks = family.task_states()
+    expected, _ = reference.merge(base, tasks, unique_scale=scales, **CASES["clip"])
+    assert_same_state(merged_state(out), expected)
+
+
+def test_partial_unique_scale_counts_the_rest(family_f32, tmp_path):
+    family = family_f32
+    settings = CASES["soft"]
+    explicit = 1.75
+    text = family.yaml(
+        "ramplus",
+        parameters=dict(settings),
+        model_parameters={family.tasks[0]: {"unique_scale": explicit}},
+    )
+    out = run(text, tmp_path / "out")
+    base = family.state("base")
+    tasks = family.task_states()
+    expected, lambdas = reference.merge(
+        base, tasks, unique_scale=[explicit, None, None], **settings
+    )
+    assert_same_state(merged_state(out), expected)
+    doc = read_json(out / STATISTICS_FILE)
+    rows = {row["model"]: row for row in doc["tasks"]}
+    assert rows[family.paths[family.tasks[0]]]["scale"] == explicit
+    for t, name in enumerate(family.tasks[1:], start=1):
+        assert rows[family.paths[name]]["scale"] == pytest.approx(lambdas[t], rel=1e-12)
+
+
+def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypatch):
+    passes = []
+    original = mergekit_ram.planning.collect_planned
+
+    def counted(*args, **kwargs):
+        passes.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", counted)
+    family = family_f32
+    text = family.yaml("ramplus")
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    before = config.model_dump()
+    models_before = list(config.models)
+    recipe = config.to_yaml()
+
+    out = tmp_path / "out"
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
+    assert len(passes) == 1  # one statistics pass per merge
+
+    # The caller's configuration is not rewritten (models -> modules/slices).
+    assert config.model_dump() == before
+    assert config.models == models_before and config.modules is None
+    # The recipe is the user's, without the injected λ.
+    written = (out / "mergekit_config.yml").read_text(encoding="utf-8")
+    assert written == recipe
+    assert "unique_scale" not in written
+
+    doc = read_json(out / STATISTICS_FILE)
+    assert doc["r"] == spec_default("r") and doc["alpha"] == spec_default("alpha")
+    assert doc["saturation"] == spec_default("saturation")
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "### RAM+ statistics" in card
+    assert STATISTICS_FILE in card
+    section = card.split("### RAM+ statistics", 1)[1]
+    for row in doc["tasks"]:
+        line = next(
+            x for x in section.splitlines() if x.startswith(f"| {row['model']} |")
+        )
+        assert f"{row['scale']:.4f}" in line
+        if row["rho"] is not None:
+            assert f"{row['rho']:.4f}" in line
+
+    # With config_source, mergekit_config.yml is that text verbatim.
+    out2 = tmp_path / "out2"
+    source = "# my recipe\n" + text
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(yaml.safe_load(text)),
+        str(out2),
+        MergeOptions(quiet=True),
+        config_source=source,
+    )
+    assert (out2 / "mergekit_config.yml").read_text(encoding="utf-8") == source
+    assert (out2 / "model.safetensors").read_bytes() == (
+        out / "model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("key", ["r", "epsilon"])
+def test_per_tensor_filter_with_global_statistics_refused(key, family_f32, tmp_path):
+    family = family_f32
+    default = spec_default(key)
+    value = [{"filter": "mlp", "value": default * 2}, {"value": default}]
+    text = family.yaml("ramplus", parameters={key: value})
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        run(text, out)
+    assert not (out / "model.safetensors").exists()
+    assert not (out / STATISTICS_FILE).exists()
+
+
+def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
+    family = family_f32
+    value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
+    text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
+    out = run(text, tmp_path / "out")
+    base = family.state("base")
+    tasks = family.task_states()
+    mlp, _ = reference.merge(base, tasks, r=0.4, statistics="tensor")
+    rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
+    expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
+    assert_same_state(merged_state(out), expected)

@@ -1,0 +1,186 @@
+"""Overlap statistics (C, S, U, k-way histogram) against the dense reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import reference
+import torch
+from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
+
+from mergekit_ram.scale import ScaleRule
+from mergekit_ram.statistics import OverlapStatistics, TaskCounts, tensor_histograms
+
+IDS = ["math", "code", "tools", "memory"]
+PROFILES = {
+    "embed": ((20, 8), [0.6, 0.5, 0.05, 0.3]),
+    "layer.0.weight": ((12, 12), [0.05, 0.3, 0.6, 0.2]),
+    "layer.0.bias": ((12,), [0.5, 0.5, 0.5, 0.5]),
+    "head": ((3, 4, 5), [0.2, 0.05, 0.4, 0.7]),
+}
+
+
+def reference_stats(base, tasks, epsilon=EPSILON):
+    return reference.csu(reference.counts(base, tasks, epsilon), len(tasks))
+
+
+def collected(base, tasks, ids=IDS, epsilon=EPSILON):
+    stats = OverlapStatistics(epsilon=epsilon)
+    for name in base:
+        stats.add(name, base[name], {i: t[name] for i, t in zip(ids, tasks)})
+    return stats
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_histograms_equal_reference(n, dtype):
+    base, tasks = cast(*sparse_tasks((15, 11), [0.4, 0.3, 0.5, 0.2][:n], seed=n), dtype)
+    rows = tensor_histograms(base, tasks, EPSILON)
+    _, _, _, hist = reference_stats(*as_dicts(base, tasks))
+    assert rows == hist
+    assert all(len(row) == n for row in rows)
+
+
+def test_worked_example_counts():
+    base = torch.zeros(8)
+    tasks = [
+        torch.tensor([0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0]),
+        torch.tensor([0, 0.4, 0.4, 0, 0, -0.1, 0, 0]),
+        torch.tensor([0, 0, 0.6, 0.7, 0, 0, 0, 1e-6]),
+    ]
+    stats = OverlapStatistics(epsilon=1e-5)
+    stats.add("t", base, dict(enumerate(tasks)))
+    assert [stats.tasks[t].shared for t in range(3)] == [2, 2, 1]
+    assert [stats.tasks[t].unique for t in range(3)] == [1, 1, 1]
+    assert [stats.tasks[t].changed for t in range(3)] == [3, 3, 2]
+    assert [stats.tasks[t].rho for t in range(3)] == [2, 2, 1]
+    scales = stats.scales(ScaleRule(r=0.1, alpha=2.0))
+    assert [scales[t] for t in range(3)] == pytest.approx([1.2, 1.2, 1.1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_totals_and_per_tensor_equal_reference(seed):
+    base, tasks = state_dicts(PROFILES, seed=seed)
+    stats = collected(base, tasks)
+    C, S, U, hist = reference_stats(base, tasks)
+    assert list(stats.tasks) == IDS
+    for t, task_id in enumerate(IDS):
+        counts = stats.tasks[task_id]
+        assert counts.histogram == hist[t]
+        assert (counts.changed, counts.shared, counts.unique) == (C[t], S[t], U[t])
+        assert counts.elements == sum(b.numel() for b in base.values())
+
+    assert list(stats.per_tensor) == list(PROFILES)
+    for name in base:
+        one = reference.counts(
+            {name: base[name]}, [{name: t[name]} for t in tasks], EPSILON
+        )
+        Ct, St, Ut, hist_t = reference.csu(one, len(tasks))
+        for t, task_id in enumerate(IDS):
+            local = stats.per_tensor[name][task_id]
+            assert local.histogram == hist_t[t]
+            assert (local.changed, local.shared, local.unique) == (Ct[t], St[t], Ut[t])
+            assert local.elements == base[name].numel()
+
+    assert stats.num_tensors == len(base)
+    assert stats.num_elements == sum(b.numel() for b in base.values())
+    # Totals are the sums of the per-tensor rows, and differ from any one of them.
+    for task_id in IDS:
+        rows = [stats.per_tensor[name][task_id].histogram for name in base]
+        assert stats.tasks[task_id].histogram == [sum(col) for col in zip(*rows)]
+    assert any(
+        stats.per_tensor[name][task_id].histogram != stats.tasks[task_id].histogram
+        for name in base
+        for task_id in IDS
+    )
+
+
+def test_epsilon_is_used():
+    base, tasks = state_dicts(PROFILES, seed=4)
+    coarse = collected(base, tasks, epsilon=5e-3)
+    C, S, U, hist = reference_stats(base, tasks, epsilon=5e-3)
+    assert [coarse.tasks[i].histogram for i in IDS] == hist
+    fine = collected(base, tasks)
+    assert [fine.tasks[i].changed for i in IDS] != C
+
+
+def test_same_tensor_twice_raises_and_changes_nothing():
+    base, tasks = state_dicts(PROFILES, seed=2)
+    stats = collected(base, tasks)
+    before = {i: list(stats.tasks[i].histogram) for i in IDS}
+    name = "layer.0.weight"
+    with pytest.raises(ValueError, match="layer.0.weight"):
+        stats.add(name, base[name], {i: t[name] for i, t in zip(IDS, tasks)})
+    assert {i: stats.tasks[i].histogram for i in IDS} == before
+    assert stats.num_tensors == len(base)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        ScaleRule(r=0.1, alpha=2.0),
+        ScaleRule(r=0.5, alpha=1.0),
+        ScaleRule(r=0.2, alpha=0.3),
+        ScaleRule(r=0.1, alpha=2.0, saturation="soft"),
+        ScaleRule(r=0.0, alpha=2.0),
+    ],
+    ids=repr,
+)
+def test_scales_equal_reference_global_lambda(rule):
+    base, tasks = state_dicts(PROFILES, seed=3)
+    stats = collected(base, tasks)
+    _, lam = reference.merge(
+        base, tasks, r=rule.r, alpha=rule.alpha, saturation=rule.saturation
+    )
+    scales = stats.scales(rule)
+    assert list(scales) == IDS
+    assert [scales[i] for i in IDS] == pytest.approx(lam, rel=1e-14)
+    rho = min(stats.tasks[i].rho for i in IDS)
+    if rule.r > 0 and (rule.saturation == "soft" or rule.alpha > rho):
+        assert len(set(scales.values())) > 1  # not all clipped alike
+
+
+def test_task_without_unique_elements():
+    base = torch.zeros(6)
+    a = torch.tensor([0.1, 0.2, 0.3, 0.0, 0.0, 0.0])
+    b = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0])
+    same = base.clone()  # identical to the base: contributes nothing
+    stats = OverlapStatistics(epsilon=EPSILON)
+    stats.add("t", base, {"a": a, "b": b, "same": same})
+    assert stats.tasks["a"].unique == 0 and stats.tasks["a"].shared == 3
+    assert stats.tasks["a"].rho == math.inf
+    assert stats.tasks["b"].rho == 3.0
+    assert stats.tasks["same"].changed == 0 and stats.tasks["same"].rho == 0.0
+    rule = ScaleRule(r=0.1, alpha=2.0)
+    scales = stats.scales(rule)
+    assert scales == {"a": rule.limit(), "b": rule.scale(3, 1), "same": 1.0}
+
+
+def test_task_counts_properties():
+    assert TaskCounts().rho == 0.0
+    assert TaskCounts().changed == TaskCounts().unique == TaskCounts().shared == 0
+    counts = TaskCounts([3, 4, 5], 100)
+    assert (counts.changed, counts.unique, counts.shared) == (12, 3, 9)
+    assert counts.rho == 3.0
+    assert TaskCounts([0, 2, 1]).rho == math.inf
+    assert TaskCounts([0, 0, 0]).rho == 0.0
+
+
+def test_single_task_is_all_unique():
+    base, (task,) = sparse_tasks((10, 10), [0.5], seed=5)
+    stats = OverlapStatistics(epsilon=EPSILON)
+    stats.add("w", base, {"only": task})
+    counts = stats.tasks["only"]
+    assert counts.shared == 0 and counts.unique > 0 and counts.rho == 0.0
+    assert stats.scales(ScaleRule(r=0.1, alpha=2.0)) == {"only": 1.0}
+
+
+def test_inputs_not_modified():
+    base, tasks = state_dicts(PROFILES, seed=6)
+    kept = {k: v.clone() for k, v in base.items()}
+    kept_tasks = [{k: v.clone() for k, v in t.items()} for t in tasks]
+    collected(base, tasks)
+    assert all(torch.equal(base[k], kept[k]) for k in base)
+    for t, old in zip(tasks, kept_tasks):
+        assert all(torch.equal(t[k], old[k]) for k in t)
