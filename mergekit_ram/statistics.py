@@ -1,6 +1,6 @@
 """Overlap statistics: C, S, U and the k-way histogram per task (RAM_SPEC.md).
 
-The one place they are counted. `tensor_histograms` counts one tensor group;
+The one place they are counted. `tensor_overlaps` counts one tensor group;
 `OverlapStatistics` adds groups up per task, in total and per output tensor;
 `collect_planned` streams over the groups a planned mergekit merge will
 compute, so the global RAM+ scale sees exactly what the merge sees while only
@@ -18,28 +18,17 @@ from typing import Any
 
 import torch
 
-from mergekit_ram.kernel import change_mask, overlap_counts, task_histogram, task_vector
+from mergekit_ram.kernel import change_mask, task_histogram, task_vector
 from mergekit_ram.scale import ScaleRule
-
-
-def tensor_histograms(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> list[list[int]]:
-    """Row t, entry k: task t's changed elements that k other tasks change too."""
-    base32 = base.to(dtype=torch.float32)
-    counts = overlap_counts(base32, tasks, epsilon)
-    rows = []
-    for task in tasks:
-        mask = change_mask(task_vector(task, base32), epsilon)
-        rows.append(task_histogram(counts, mask, len(tasks)).tolist())
-        del mask
-    return rows
 
 
 def tensor_overlaps(
     base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """(histograms as tensor_histograms, intersections): entry [s][t] = |m_s ∧ m_t|.
+    """(histograms, intersections) of one tensor group.
+
+    histograms[t][k]: task t's changed elements that k other tasks change too;
+    intersections[s][t] = |m_s ∧ m_t|.
 
     The diagonal is each task's changed count. Every mask is computed once and
     kept as bool (one byte per element and task) for this tensor only.

@@ -10,7 +10,7 @@ import torch
 from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
 from mergekit_ram.scale import ScaleRule
-from mergekit_ram.statistics import OverlapStatistics, TaskCounts, tensor_histograms
+from mergekit_ram.statistics import OverlapStatistics, TaskCounts, tensor_overlaps
 
 IDS = ["math", "code", "tools", "memory"]
 PROFILES = {
@@ -34,9 +34,9 @@ def collected(base, tasks, ids=IDS, epsilon=EPSILON):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_histograms_equal_reference(n, dtype):
+def test_tensor_overlap_histograms_equal_reference(n, dtype):
     base, tasks = cast(*sparse_tasks((15, 11), [0.4, 0.3, 0.5, 0.2][:n], seed=n), dtype)
-    rows = tensor_histograms(base, tasks, EPSILON)
+    rows, _ = tensor_overlaps(base, tasks, EPSILON)
     _, _, _, hist = reference_stats(*as_dicts(base, tasks))
     assert rows == hist
     assert all(len(row) == n for row in rows)
