@@ -159,13 +159,10 @@ def resolve_settings(
 ) -> tuple[MergeSettings, dict[Hashable, float | None]]:
     """Settings and explicit unique_scale per model, as the merge would use them."""
     from mergekit_ram.method import is_ours
-    from mergekit_ram.planning import explicit_scales
+    from mergekit_ram.planning import planned_settings
 
     if is_ours(method):
-        settings = MergeSettings.from_parameters(
-            (task.output_weight.name, task.parameters) for task in merges
-        )
-        explicit = explicit_scales(list(merges), merges[0].base_model)
+        settings, explicit = planned_settings(list(merges))
     else:
         settings, explicit = PAPER_DEFAULTS, {}
     if epsilon is not None:
@@ -177,7 +174,7 @@ def analyze_config(
     config: Any, options: Any, *, epsilon: float | None = None
 ) -> Analysis:
     """Plan `config` and run the statistics engine once over its tensors."""
-    from mergekit_ram.statistics import collect_planned
+    from mergekit_ram.planning import count_planned
 
     merges = plan_merges(config, options)
     if not merges:
@@ -188,16 +185,9 @@ def analyze_config(
             "analyze needs a base_model: task vectors are measured from it"
         )
     settings, explicit = resolve_settings(config.merge_method, merges, epsilon)
-    stats = collect_planned(
-        merges,
-        epsilon=settings.epsilon,
-        device=options.device,
-        storage_device=options.device if options.low_cpu_memory else "cpu",
-        quiet=options.quiet,
-        desc="Analyzing task vectors",
+    stats, scales = count_planned(
+        merges, settings, explicit, options, desc="Analyzing task vectors"
     )
-    scales = stats.scales(settings.rule)
-    scales.update({m: v for m, v in explicit.items() if v is not None})
     reference = config.base_model if config.base_model is not None else base
     return Analysis(config.merge_method, str(reference), settings, stats, scales)
 

@@ -87,5 +87,5 @@ def run_demo(out_dir: str | None = None) -> str:
     )
     print(f"Merged model: {merged} ({_check_loads(merged)}; loads with transformers)")
     print(f"Config: {config}; statistics: {os.path.join(merged, STATISTICS_FILE)}")
-    print(f"Done in {time.perf_counter() - started:.1f} s.")
+    print(f"Built, merged and checked in {time.perf_counter() - started:.1f} s.")
     return merged

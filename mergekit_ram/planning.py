@@ -94,6 +94,35 @@ def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
     return {model: value for model, (value, _) in found.items()}
 
 
+def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
+    """The merge's scalar settings and each task model's explicit unique_scale."""
+    settings = MergeSettings.from_parameters(
+        (task.output_weight.name, task.parameters) for task in merges
+    )
+    return settings, explicit_scales(merges, merges[0].base_model)
+
+
+def count_planned(
+    merges: list[Any],
+    settings: MergeSettings,
+    explicit: dict[Any, Any],
+    options: Any,
+    desc: str = "RAM+ statistics",
+) -> tuple[Any, dict[Any, float]]:
+    """Run the statistics engine over planned tasks; λ per model, explicit first."""
+    stats = collect_planned(
+        merges,
+        epsilon=settings.epsilon,
+        device=options.device,
+        storage_device=options.device if options.low_cpu_memory else "cpu",
+        quiet=options.quiet,
+        desc=desc,
+    )
+    scales = stats.scales(settings.rule)
+    scales.update({m: v for m, v in explicit.items() if v is not None})
+    return stats, scales
+
+
 def scale_planned(planner: MergePlanner) -> tuple | None:
     """Run the statistics pass for a planned RAM+ merge and rewrite its tasks.
 
@@ -102,22 +131,10 @@ def scale_planned(planner: MergePlanner) -> tuple | None:
     merges = [task for _, task in planner._tensors]
     if not merges:
         return None
-    settings = MergeSettings.from_parameters(
-        (task.output_weight.name, task.parameters) for task in merges
-    )
-    explicit = explicit_scales(merges, merges[0].base_model)
+    settings, explicit = planned_settings(merges)
     if not settings.needs_pass(explicit.keys(), explicit):
         return None
-    options = planner.options
-    stats = collect_planned(
-        merges,
-        epsilon=settings.epsilon,
-        device=options.device,
-        storage_device=options.device if options.low_cpu_memory else "cpu",
-        quiet=options.quiet,
-    )
-    scales = stats.scales(settings.rule)
-    scales.update({m: v for m, v in explicit.items() if v is not None})
+    stats, scales = count_planned(merges, settings, explicit, planner.options)
     planner._tensors = [
         (weight, with_scales(task, scales)) for weight, task in planner._tensors
     ]

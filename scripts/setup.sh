@@ -2,7 +2,7 @@
 # Create ./.venv with CPU PyTorch, mergekit and mergekit-ram (editable, test extras).
 # Idempotent. Overrides: PYTHON (interpreter), VENV (path), TORCH_SPEC (default
 # torch==2.13.0), TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu or a
-# CUDA index), EXTRAS (default "test").
+# CUDA index), EXTRAS (default "test,plots").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -16,5 +16,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" \
     ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-"$PY" -m pip install -q -e ".[${EXTRAS:-test}]"
+"$PY" -m pip install -q -e ".[${EXTRAS:-test,plots}]"
 "$PY" -c "import torch, mergekit_ram; print('torch', torch.__version__, '| mergekit-ram', mergekit_ram.__version__)"
