@@ -162,7 +162,7 @@ def patched_plan(original):
         self._ram_result = None
         if is_ours(self.config.merge_method):
             self._ram_result = scale_planned(self)
-            if self._ram_result is not None:
+            if self._ram_result is not None and self.options.write_model_card:
                 PENDING_CARDS[id(self.config)] = (self.config, self._ram_result)
 
     _plan.__mergekit_ram__ = original
