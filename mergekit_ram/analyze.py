@@ -67,7 +67,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.report import statistics_document
+from mergekit_ram.report import percent, statistics_document
 from mergekit_ram.scale import ScaleRule
 from mergekit_ram.settings import MergeSettings
 from mergekit_ram.statistics import OverlapStatistics, TaskCounts
@@ -378,10 +378,6 @@ def build_report(
 # ---------------------------------------------------------------- rendering
 
 
-def _pct(part: float, whole: float, digits: int = 2) -> str:
-    return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
-
-
 def _num(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "–"
@@ -412,11 +408,11 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         rows.append(
             [
                 t["label"],
-                _pct(t["changed"], t["elements"]),
+                percent(t["changed"], t["elements"]),
                 f"{t['changed']:,}",
                 f"{t['unique']:,}",
                 f"{t['shared']:,}",
-                _pct(t["unique"], t["changed"], 1),
+                percent(t["unique"], t["changed"], 1),
                 _rho(t["rho"]),
                 _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else ""),
                 spread,
@@ -454,7 +450,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
     for t in tasks:
         hist = list(t["overlap_histogram"]) + [0] * (n - len(t["overlap_histogram"]))
         rows.append(
-            [t["label"]] + [f"{v:,} ({_pct(v, t['changed'], 1)})" for v in hist[:n]]
+            [t["label"]] + [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist[:n]]
         )
     out.append(
         (
@@ -491,8 +487,8 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
                 values.append("–")
             else:
                 values.append(
-                    f"{_pct(x['changed'], entry['elements'])} "
-                    f"({_pct(x['unique'], x['changed'], 0)} unique)"
+                    f"{percent(x['changed'], entry['elements'])} "
+                    f"({percent(x['unique'], x['changed'], 0)} unique)"
                 )
         return values
 
@@ -518,7 +514,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         rows.append(
             [str(e["layer"]), f"{e['elements']:,}"]
             + [
-                _pct(by_model[t["model"]]["changed"], e["elements"])
+                percent(by_model[t["model"]]["changed"], e["elements"])
                 if t["model"] in by_model
                 else "–"
                 for t in tasks

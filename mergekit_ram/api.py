@@ -107,11 +107,8 @@ def _with_global_scales(
             group = group_tensors(tensors, base, ids, None)
             if group is not None:
                 stats.add(name, *group)
-    scales = stats.scales(settings.rule)
-    parameters["unique_scale"] = {
-        task: explicit[task] if explicit[task] is not None else scales.get(task, 1.0)
-        for task in task_ids
-    }
+    scales = stats.scales(settings.rule, explicit)
+    parameters["unique_scale"] = {task: scales.get(task, 1.0) for task in task_ids}
     return parameters
 
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 import mergekit_ram  # noqa: F401  (registers ram/ramplus even without autoload)
-from mergekit_ram.report import STATISTICS_FILE
+from mergekit_ram.report import STATISTICS_FILE, percent
 from mergekit_ram.synthetic import PAPER_LIKE, build_models, merge_yaml
 
 
@@ -27,12 +27,16 @@ def _table(document: dict, names: dict) -> str:
     rows = [header, "-" * len(header)]
     for task in document["tasks"]:
         changed = task["changed"]
-        pct = lambda part, whole: f"{100 * part / whole:.1f} %" if whole else "–"  # noqa: E731
+        shares = (
+            percent(changed, task["elements"], 1),
+            percent(task["unique"], changed, 1),
+            percent(task["shared"], changed, 1),
+        )
         rho = "inf" if task["rho"] is None else f"{task['rho']:.3f}"
         rows.append(
-            f"{names[task['model']]:<12} {pct(changed, task['elements']):>9} "
-            f"{pct(task['unique'], changed):>9} {pct(task['shared'], changed):>9} "
-            f"{rho:>7} {task['scale']:>7.4f}"
+            f"{names[task['model']]:<12} "
+            + " ".join(f"{s:>9}" for s in shares)
+            + f" {rho:>7} {task['scale']:>7.4f}"
         )
     return "\n".join(rows)
 

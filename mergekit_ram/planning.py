@@ -118,9 +118,7 @@ def count_planned(
         quiet=options.quiet,
         desc=desc,
     )
-    scales = stats.scales(settings.rule)
-    scales.update({m: v for m, v in explicit.items() if v is not None})
-    return stats, scales
+    return stats, stats.scales(settings.rule, explicit)
 
 
 def scale_planned(planner: MergePlanner) -> tuple | None:

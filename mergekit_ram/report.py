@@ -52,8 +52,9 @@ def statistics_document(
     }
 
 
-def _percent(part: int, whole: int) -> str:
-    return f"{100.0 * part / whole:.2f} %" if whole else "–"
+def percent(part: float, whole: float, digits: int = 2) -> str:
+    """`part` as a percentage of `whole`, or a dash when `whole` is 0."""
+    return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
 
 
 def card_section(
@@ -79,9 +80,9 @@ def card_section(
     for row in task_rows(stats, scales):
         rho = "∞" if row["rho"] is None else f"{row['rho']:.4f}"
         lines.append(
-            f"| {row['model']} | {_percent(row['changed'], row['elements'])} | "
-            f"{_percent(row['unique'], row['changed'])} | "
-            f"{_percent(row['shared'], row['changed'])} | {rho} | "
+            f"| {row['model']} | {percent(row['changed'], row['elements'])} | "
+            f"{percent(row['unique'], row['changed'])} | "
+            f"{percent(row['shared'], row['changed'])} | {rho} | "
             f"{row['scale']:.4f} |"
         )
     return "\n".join(lines) + "\n"

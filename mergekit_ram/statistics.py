@@ -121,12 +121,21 @@ class OverlapStatistics:
         self.num_tensors += 1
         self.num_elements += base.numel()
 
-    def scales(self, rule: ScaleRule) -> dict[Hashable, float]:
-        """Global λ per task from the whole-model totals."""
-        return {
+    def scales(
+        self,
+        rule: ScaleRule,
+        explicit: Mapping[Hashable, float | None] | None = None,
+    ) -> dict[Hashable, float]:
+        """Global λ per task from the whole-model totals.
+
+        A task's explicit (non-None) value replaces its computed λ.
+        """
+        scales = {
             task_id: rule.scale(counts.shared, counts.unique)
             for task_id, counts in self.tasks.items()
         }
+        scales.update({t: v for t, v in (explicit or {}).items() if v is not None})
+        return scales
 
 
 def group_tensors(
