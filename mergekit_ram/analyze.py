@@ -192,6 +192,36 @@ def analyze_config(
     return Analysis(config.merge_method, str(reference), settings, stats, scales)
 
 
+def merge_with_analysis(
+    config: Any,
+    out_path: str,
+    options: Any,
+    config_source: str,
+    echo: Callable[[str], None] = print,
+) -> Analysis:
+    """Merge, and return the analysis of its inputs without a second pass.
+
+    A merge that ran the statistics pass hands its counts over; one that
+    needed none (RAM, tensor scope, explicit λ, another method) is analysed
+    with one more read of the models, and `echo` says which happened.
+    """
+    from mergekit_ram.api import run_merge
+    from mergekit_ram.planning import capture_result
+
+    with capture_result(out_path) as captured:
+        run_merge(config, out_path, options=options, config_source=config_source)
+    result = captured[-1] if captured else None
+    if result is not None:
+        echo("Report from the statistics this merge computed (no extra pass).")
+        return Analysis.from_merge(config, result)
+    echo(
+        "This merge needed no whole-model statistics pass (RAM with r = 0, "
+        "statistics: tensor, explicit unique_scale or another method); "
+        "reading the models once more for the report."
+    )
+    return analyze_config(config, options)
+
+
 # ---------------------------------------------------------------- the report
 
 

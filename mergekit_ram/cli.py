@@ -54,22 +54,11 @@ def merge(
         run_merge(config, out_path, options=merge_options, config_source=source)
         return
 
-    from mergekit_ram.analyze import Analysis, analyze_config, build_report
-    from mergekit_ram.planning import capture_result
+    from mergekit_ram.analyze import build_report, merge_with_analysis
 
-    with capture_result(out_path) as captured:
-        run_merge(config, out_path, options=merge_options, config_source=source)
-    result = captured[-1] if captured else None
-    if result is not None:
-        click.echo("Report from the statistics this merge computed (no extra pass).")
-        analysis = Analysis.from_merge(config, result)
-    else:
-        click.echo(
-            "This merge needed no whole-model statistics pass (RAM with r = 0, "
-            "statistics: tensor, explicit unique_scale or another method); "
-            "reading the models once more for the report."
-        )
-        analysis = analyze_config(config, merge_options)
+    analysis = merge_with_analysis(
+        config, out_path, merge_options, source, echo=click.echo
+    )
     _emit(build_report(analysis), report_dir)
 
 
