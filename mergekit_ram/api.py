@@ -22,6 +22,7 @@ from mergekit_ram.install import install
 from mergekit_ram.method import RAMMerge
 from mergekit_ram.settings import SCALAR_KEYS, MergeSettings
 from mergekit_ram.statistics import OverlapStatistics, group_tensors
+from mergekit_ram.validation import validate_config
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
 
@@ -35,9 +36,12 @@ def run_merge(
     """mergekit's run_merge, leaving `merge_config` untouched.
 
     mergekit rewrites the configuration it is given while planning; this works
-    on a deep copy and records the caller's recipe in mergekit_config.yml.
+    on a deep copy and records the caller's recipe in mergekit_config.yml. A
+    RAM / RAM+ configuration is validated first (RAMInputError), before any
+    weight is read.
     """
     install()
+    validate_config(merge_config, options)
     if config_source is None:
         config_source = merge_config.to_yaml()
     mergekit_run_merge(

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import click
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+from pydantic import ValidationError
+
+from mergekit_ram.errors import RAMInputError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,9 +20,77 @@ def main() -> None:
 
 
 def _load(config_file: str) -> tuple[MergeConfiguration, str]:
+    """The configuration and its text; bad YAML or schema is a RAMInputError."""
     with open(config_file, encoding="utf-8") as handle:
         source = handle.read()
-    return MergeConfiguration.model_validate(yaml.safe_load(source)), source
+    try:
+        document = yaml.safe_load(source)
+    except yaml.YAMLError as error:
+        raise RAMInputError(_yaml_problem(config_file, error)) from error
+    try:
+        return MergeConfiguration.model_validate(document), source
+    except ValidationError as error:
+        problem = _schema_problems(error)
+    except RuntimeError as error:  # mergekit's own validators raise these
+        problem = str(error)
+    raise RAMInputError(
+        f"{config_file} is not a valid mergekit configuration: {problem}. "
+        "example_configs/ holds working RAM and RAM+ configurations."
+    )
+
+
+def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    where = (
+        "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+    )
+    problem = getattr(error, "problem", None) or str(error)
+    return (
+        f"{config_file} is not valid YAML{where}: {problem}. Fix the syntax there "
+        "(indentation, a missing ':' or an unquoted special character)."
+    )
+
+
+def _schema_problems(error: ValidationError) -> str:
+    """Each offending key once: pydantic reports every union alternative."""
+    grouped: dict[Any, list[dict]] = {}
+    for item in error.errors():
+        key = (
+            ("missing", item["loc"]) if item["type"] == "missing" else id(item["input"])
+        )
+        grouped.setdefault(key, []).append(item)
+    problems = []
+    for items in grouped.values():
+        loc = _common_prefix([item["loc"] for item in items])
+        if items[0]["type"] == "missing":
+            text = " is required"
+        elif len(items) == 1:
+            text = f": {items[0]['msg']} (got {_shown(items[0]['input'])})"
+        else:
+            text = f": {_shown(items[0]['input'])} is not a valid value"
+        problems.append(_dotted(loc) + text)
+    return "; ".join(problems)
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        size = next(
+            (i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b),
+            min(len(prefix), len(loc)),
+        )
+        prefix = prefix[:size]
+    return prefix
+
+
+def _dotted(loc: tuple) -> str:
+    """A pydantic location as the YAML path a user reads: models[0].model."""
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    return text.lstrip(".") or "the document"
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value, default=str, ensure_ascii=False)
 
 
 def _emit(report: dict, out_dir: str | None) -> None:
@@ -98,6 +172,7 @@ def analyze(
     models and the base model matter).
     """
     from mergekit_ram.analyze import analyze_config, build_report, parse_r_values
+    from mergekit_ram.validation import validate_analysis
 
     sweep = None
     if r_values is not None:
@@ -107,8 +182,11 @@ def analyze(
             raise click.BadParameter(str(error), param_hint="--r") from error
     merge_options.apply_global_options()
     config, _source = _load(config_file)
+    validate_analysis(config, merge_options)
     try:
         analysis = analyze_config(config, merge_options, epsilon=epsilon)
+    except RAMInputError:
+        raise
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     _emit(build_report(analysis, sweep), out_dir)

@@ -26,7 +26,7 @@ from mergekit.plan import MergePlanner
 
 from mergekit_ram.method import is_ours
 from mergekit_ram.report import STATISTICS_FILE, statistics_document
-from mergekit_ram.settings import MergeSettings
+from mergekit_ram.settings import MergeSettings, unique_scale_error
 from mergekit_ram.statistics import collect_planned
 
 # Statistics of finished plans, for the model card (keyed by config identity).
@@ -85,11 +85,10 @@ def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
             value = params.get("unique_scale")
             seen = found.setdefault(model, (value, task.output_weight.name))
             if seen[0] != value:
-                raise ValueError(
-                    f"unique_scale for model {model} is {seen[0]!r} for tensor "
-                    f"{seen[1]} but {value!r} for {task.output_weight.name}. "
-                    "An explicit unique_scale replaces the whole-model λ, so it "
-                    "needs one value per model: remove its filter or gradient."
+                raise unique_scale_error(
+                    model,
+                    f"is {seen[0]!r} for tensor {seen[1]} but {value!r} for "
+                    f"{task.output_weight.name}",
                 )
     return {model: value for model, (value, _) in found.items()}
 

@@ -6,6 +6,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mergekit_ram.errors import RAMInputError
 from mergekit_ram.scale import ScaleRule
 
 SCALAR_KEYS = ("epsilon", "r", "alpha", "saturation", "statistics")
@@ -38,12 +39,10 @@ class MergeSettings:
                 continue
             for key in SCALAR_KEYS:
                 if values[key] != first[1][key] and _global(first[1], values):
-                    raise ValueError(
-                        f"RAM parameter '{key}' is {first[1][key]!r} for tensor "
-                        f"{first[0]} but {values[key]!r} for {tensor}. Whole-model "
-                        "(global) statistics need one value for the whole merge: "
-                        "remove the per-tensor filter or gradient on "
-                        f"'{key}', or set statistics: tensor."
+                    raise one_value_error(
+                        key,
+                        f"is {first[1][key]!r} for tensor {first[0]} but "
+                        f"{values[key]!r} for {tensor}",
                     )
         if first is None:
             raise ValueError("the merge has no tensors")
@@ -63,6 +62,27 @@ class MergeSettings:
 
     def as_dict(self) -> dict:
         return {key: getattr(self, key) for key in SCALAR_KEYS}
+
+
+def one_value_error(key: str, values: str) -> RAMInputError:
+    """A global-statistics setting that varies per tensor (config or plan time).
+
+    `values` says how it varies, e.g. "is 0.1 for tensor A but 0.2 for B".
+    """
+    return RAMInputError(
+        f"RAM parameter '{key}' {values}. Whole-model (global) statistics need "
+        "one value for the whole merge: remove the per-tensor filter or gradient "
+        f"on '{key}', or set statistics: tensor."
+    )
+
+
+def unique_scale_error(model: Any, values: str) -> RAMInputError:
+    """A task model's explicit λ that varies per tensor (config or plan time)."""
+    return RAMInputError(
+        f"unique_scale for model {model} {values}. An explicit unique_scale "
+        "replaces the whole-model λ, so it needs one value per model: remove its "
+        "filter or gradient."
+    )
 
 
 def _global(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

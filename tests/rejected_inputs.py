@@ -1,0 +1,457 @@
+"""Every input mergekit-ram refuses, and the README table of their messages.
+
+One list of cases feeds both tests/test_validation.py (each case must exit 2
+with a message that names the key or model and the fix, and no traceback)
+and the "Errors you may see" table in README.md, which shows the messages
+`mergekit-ram` actually printed, so the two cannot drift. After changing a
+message, regenerate the table with
+
+    python tests/rejected_inputs.py --write
+
+A case runs the CLI from a scratch directory on the tiny float32 family of
+conftest.py (base + alpha, beta, gamma); paths in messages are shown as
+MODELS (the family's directory) and CWD (the scratch directory).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import yaml
+from click.testing import CliRunner
+from conftest import THREE_TASKS, Family, build_family
+from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
+from mergekit.io.tasks import LoaderCache
+
+from mergekit_ram.cli import main
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN = "<!-- rejected-inputs:begin -->"
+END = "<!-- rejected-inputs:end -->"
+REGENERATE = "python tests/rejected_inputs.py --write"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """What a case may point at: the model family and a scratch directory."""
+
+    family: Family
+    root: Path
+
+    def config(self, **changes) -> dict:
+        """The family's three-task ramplus config with top-level keys changed."""
+        config = self.family.config_dict("ramplus")
+        config.update(changes)
+        return {key: value for key, value in config.items() if value is not None}
+
+    def models(self, *entries: str | dict) -> list[dict]:
+        """A models: list; a str is a family member, a dict is used as is."""
+        return [
+            {"model": self.family.paths[e]} if isinstance(e, str) else e
+            for e in entries
+        ]
+
+    def task(self, name: str, **parameters) -> dict:
+        """A models: entry for a family member with its own parameters."""
+        return {"model": self.family.paths[name], "parameters": parameters}
+
+    def directory(self, name: str, *files: str) -> str:
+        """A scratch directory holding empty files with these names."""
+        path = self.root / name
+        path.mkdir(exist_ok=True)
+        for file in files:
+            (path / file).touch()
+        return str(path)
+
+    def hub_cache(self, repo: str) -> str:
+        """`repo`, with one snapshot of it in a Hugging Face cache under ./hf."""
+        folder = self.root / "hf" / f"models--{repo.replace('/', '--')}"
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / "main").write_text("0" * 40)
+        snapshot = folder / "snapshots" / ("0" * 40)
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / "config.json").write_text("{}")
+        return repo
+
+
+@dataclass(frozen=True)
+class Case:
+    """One refused input.
+
+    config: the YAML document (a dict) or its text, built in the workspace.
+    expect: fragments the message must contain (the key or model, the fix).
+    stage: "config" cases must be refused before any weight is read;
+    "merge" cases are found while merging.
+    """
+
+    id: str
+    input: str
+    config: Callable[[Workspace], dict | str]
+    expect: tuple[str, ...]
+    command: str = "merge"
+    args: tuple[str, ...] = ()
+    stage: str = "config"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the command printed (placeholdered) and its exit code."""
+
+    exit_code: int
+    output: str
+    message: str
+
+
+def _filter(value_mlp, value_rest) -> list[dict]:
+    return [{"filter": "mlp", "value": value_mlp}, {"value": value_rest}]
+
+
+CASES: tuple[Case, ...] = (
+    # ---- the YAML file itself (mergekit-ram merge and analyze)
+    Case(
+        "yaml-syntax",
+        "YAML with a broken indentation",
+        lambda ws: "merge_method: ramplus\nmodels:\n  - model: a\n   - model: b\n",
+        ("line 4", "Fix the syntax"),
+    ),
+    Case(
+        "schema-missing-key",
+        "a model entry without `model:` (typo `modle:`)",
+        lambda ws: ws.config(models=[{"modle": ws.family.paths["alpha"]}]),
+        ("models[0].model is required",),
+    ),
+    Case(
+        "schema-bad-value",
+        "`r: null`",
+        lambda ws: ws.config(parameters={"r": None}),
+        ("parameters.r: null is not a valid value",),
+    ),
+    Case(
+        "schema-models-and-slices",
+        "both `models:` and `slices:`",
+        lambda ws: {
+            **ws.config(),
+            "slices": [{"sources": [{"model": "x", "layer_range": [0, 2]}]}],
+        },
+        ("Exactly one of 'models', 'slices', or 'modules'",),
+    ),
+    # ---- which models are merged
+    Case(
+        "no-base",
+        "no `base_model:`",
+        lambda ws: ws.config(base_model=None),
+        ("needs a base_model", "Add 'base_model: path/to/base'"),
+    ),
+    Case(
+        "base-only",
+        "only the base model under `models:`",
+        lambda ws: ws.config(models=ws.models("base")),
+        ("at least one task model", "list the fine-tuned models"),
+    ),
+    Case(
+        "duplicate-model",
+        "the same task model listed twice",
+        lambda ws: ws.config(models=ws.models("alpha", "beta", "alpha")),
+        ("models[2]", "already listed as models[0]", "List each model once"),
+    ),
+    Case(
+        "slice-without-base",
+        "a slice whose sources lack the base model",
+        lambda ws: ws.config(
+            models=None,
+            slices=[
+                {
+                    "sources": [
+                        {"model": ws.family.paths[name], "layer_range": [0, 2]}
+                        for name in ("alpha", "beta")
+                    ]
+                }
+            ],
+        ),
+        ("slices[0]", "add it as a source"),
+    ),
+    # ---- model paths
+    Case(
+        "missing-path",
+        "a base model path that does not exist",
+        lambda ws: ws.config(base_model=str(ws.family.root / "missing")),
+        ("base_model", "MODELS/missing does not exist", "Fix the path"),
+    ),
+    Case(
+        "missing-relative-path",
+        "a relative task model path that does not exist",
+        lambda ws: ws.config(models=ws.models("alpha", {"model": "./beta"})),
+        ("models[1].model", "./beta does not exist", "current directory, CWD"),
+    ),
+    Case(
+        "path-is-a-file",
+        "a file where a model directory belongs",
+        lambda ws: ws.config(base_model=str(ws.family.root / "base" / "config.json")),
+        ("base_model", "is a file", "model's directory"),
+    ),
+    Case(
+        "no-weights",
+        "a model directory without weights",
+        lambda ws: ws.config(
+            models=ws.models("alpha", {"model": ws.directory("empty", "config.json")})
+        ),
+        ("models[1].model", "has no weights", "model.safetensors"),
+    ),
+    Case(
+        "lora-as-model",
+        "a LoRA adapter directory given as a model",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha",
+                {"model": ws.directory("adapter", "adapter_config.json")},
+            )
+        ),
+        ("has no weights", "LoRA adapter", "BASE+"),
+    ),
+    Case(
+        "no-config-json",
+        "a model directory without config.json",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha", {"model": ws.directory("weights-only", "model.safetensors")}
+            )
+        ),
+        ("models[1].model", "has no config.json", "save_pretrained"),
+    ),
+    Case(
+        "hub-id-offline",
+        "a hub id, offline, not in the local cache",
+        lambda ws: ws.config(base_model="some-org/some-model"),
+        ("base_model", "some-org/some-model", "HF_HUB_OFFLINE=1"),
+    ),
+    Case(
+        "hub-id-offline-cached",
+        "a hub id, offline, in the cache (`--transformers-cache hf`)",
+        lambda ws: ws.config(base_model=ws.hub_cache("some-org/cached")),
+        ("base_model", "HF_HUB_OFFLINE=1", "snapshot's directory instead"),
+        args=("--transformers-cache", "hf"),
+    ),
+    Case(
+        "missing-tokenizer-source",
+        "a `tokenizer_source:` path that does not exist",
+        lambda ws: ws.config(tokenizer_source="./tokenizer"),
+        ("tokenizer_source", "does not exist"),
+    ),
+    # ---- parameter names
+    Case(
+        "rescale-factor",
+        "`rescale_factor: 1.2` (the authors' flag)",
+        lambda ws: ws.config(parameters={"rescale_factor": 1.2}),
+        ("parameters.rescale_factor", "r: R − 1", "alpha: 1", "saturation: soft"),
+    ),
+    Case(
+        "misspelled-parameter",
+        "`alpah: 1.0`",
+        lambda ws: ws.config(parameters={"alpah": 1.0}),
+        ("parameters.alpah", "Did you mean 'alpha'?"),
+    ),
+    Case(
+        "other-method-parameter",
+        "`weight: 0.5` on a task model",
+        lambda ws: ws.config(models=[ws.task("alpha", weight=0.5)]),
+        ("models[0].parameters.weight", "Remove it"),
+    ),
+    Case(
+        "global-parameter-on-model",
+        "`epsilon:` under one task model",
+        lambda ws: ws.config(models=[ws.task("alpha", epsilon=1e-4)]),
+        ("models[0].parameters.epsilon", "top-level parameters"),
+    ),
+    Case(
+        "unique-scale-on-base",
+        "`unique_scale:` on the base model listed under `models:`",
+        lambda ws: ws.config(
+            models=[ws.task("base", unique_scale=1.2), *ws.models("alpha")]
+        ),
+        ("models[0].parameters.unique_scale", "base model", "Remove it"),
+    ),
+    # ---- parameter values
+    Case(
+        "negative-r",
+        "`r: -0.1`",
+        lambda ws: ws.config(parameters={"r": -0.1}),
+        ("parameters.r", "is negative", "finite number ≥ 0"),
+    ),
+    Case(
+        "nan-epsilon",
+        "`epsilon: .nan`",
+        lambda ws: ws.config(parameters={"epsilon": float("nan")}),
+        ("parameters.epsilon", "is NaN", "finite number ≥ 0"),
+    ),
+    Case(
+        "infinite-alpha",
+        "`alpha: .inf`",
+        lambda ws: ws.config(parameters={"alpha": float("inf")}),
+        ("parameters.alpha", "is infinite", "finite number ≥ 0"),
+    ),
+    Case(
+        "text-unique-scale",
+        "`unique_scale: high` on a task model",
+        lambda ws: ws.config(models=[ws.task("alpha", unique_scale="high")]),
+        ("models[0].parameters.unique_scale", "is not a number"),
+    ),
+    Case(
+        "boolean-r",
+        "`r: true`",
+        lambda ws: ws.config(parameters={"r": True}),
+        ("parameters.r", "is not a number"),
+    ),
+    Case(
+        "negative-in-filter",
+        "a negative `alpha` inside a filter",
+        lambda ws: ws.config(parameters={"alpha": _filter(-1.0, 2.0)}),
+        ("parameters.alpha", "is negative"),
+    ),
+    Case(
+        "unknown-saturation",
+        "`saturation: hard`",
+        lambda ws: ws.config(parameters={"saturation": "hard"}),
+        ("parameters.saturation", "one of clip, soft"),
+    ),
+    Case(
+        "unknown-statistics",
+        "`statistics: model`",
+        lambda ws: ws.config(parameters={"statistics": "model"}),
+        ("parameters.statistics", "one of global, tensor"),
+    ),
+    # ---- one value where whole-model statistics need one
+    Case(
+        "epsilon-filter-global",
+        "a per-tensor filter on `epsilon` with global statistics",
+        lambda ws: ws.config(parameters={"epsilon": _filter(1e-4, 1e-5)}),
+        ("'epsilon'", "remove the per-tensor filter", "statistics: tensor"),
+    ),
+    Case(
+        "r-gradient-global",
+        "a gradient `r: [0.1, 0.3]` with global statistics",
+        lambda ws: ws.config(parameters={"r": [0.1, 0.3]}),
+        ("'r'", "0.1, 0.3", "statistics: tensor"),
+    ),
+    Case(
+        "unique-scale-gradient",
+        "a gradient `unique_scale: [1.0, 1.2]` on a task model",
+        lambda ws: ws.config(models=[ws.task("alpha", unique_scale=[1.0, 1.2])]),
+        ("unique_scale for model MODELS/alpha", "remove its filter or gradient"),
+    ),
+    # ---- mergekit-ram analyze (any merge method)
+    Case(
+        "analyze-no-base",
+        "`mergekit-ram analyze` of a TIES config without a base model",
+        lambda ws: ws.config(
+            merge_method="ties",
+            base_model=None,
+            models=[ws.task(t.name, weight=1.0, density=0.5) for t in THREE_TASKS],
+        ),
+        ("mergekit-ram analyze needs a base_model",),
+        command="analyze",
+    ),
+)
+
+
+@contextmanager
+def no_weight_reads() -> Iterator[None]:
+    """Fail loudly if mergekit opens a checkpoint while the block runs."""
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a checkpoint was opened before validation refused")
+
+    with (
+        mock.patch.object(LoaderCache, "get", refuse),
+        mock.patch.object(ShardedTensorIndex, "from_disk", refuse),
+    ):
+        yield
+
+
+def run_case(case: Case, ws: Workspace) -> Outcome:
+    """Run the case's command from ws.root; the printed error, placeholdered."""
+    config = case.config(ws)
+    text = config if isinstance(config, str) else yaml.safe_dump(config)
+    name = f"{case.id}.yml"
+    (ws.root / name).write_text(text, encoding="utf-8")
+    args = [case.command, name]
+    if case.command == "merge":
+        args.append(f"out-{case.id}")
+    args += ["--quiet", *case.args]
+    previous = os.getcwd()
+    os.chdir(ws.root)
+    try:
+        if case.stage == "config":
+            with no_weight_reads():
+                result = CliRunner().invoke(main, args)
+        else:
+            result = CliRunner().invoke(main, args)
+    finally:
+        os.chdir(previous)
+    output = placeholders(result.output, ws)
+    found = re.search(r"^Error: (.*)$", output, flags=re.MULTILINE)
+    return Outcome(result.exit_code, output, found.group(1) if found else "")
+
+
+def placeholders(text: str, ws: Workspace) -> str:
+    """Scratch paths as MODELS and CWD, so the table does not change per run."""
+    for path, name in ((ws.family.root, "MODELS"), (ws.root.resolve(), "CWD")):
+        text = text.replace(str(path), name)
+    return text
+
+
+def render_table(outcomes: dict[str, Outcome]) -> str:
+    """The markdown table of every case's input and the message it printed."""
+    rows = ["| Input | Message |", "|---|---|"]
+    for case in CASES:
+        message = outcomes[case.id].message
+        rows.append(f"| {_cell(case.input)} | {_cell(message)} |")
+    return "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    """Table-safe: a | would split the cell, a < would start an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "&lt;")
+
+
+def readme_block(readme: str) -> str:
+    """The text between the README's rejected-inputs markers."""
+    start = readme.index(BEGIN) + len(BEGIN)
+    return readme[start : readme.index(END)].strip("\n")
+
+
+def with_block(readme: str, table: str) -> str:
+    """The README with `table` between the rejected-inputs markers."""
+    start = readme.index(BEGIN) + len(BEGIN)
+    return f"{readme[:start]}\n{table}\n{readme[readme.index(END) :]}"
+
+
+def make_workspace(root: Path) -> Workspace:
+    family = build_family(root / "models", THREE_TASKS)
+    scratch = root / "work"
+    scratch.mkdir()
+    return Workspace(family, scratch)
+
+
+def main_write(write: bool) -> None:
+    """Print the freshly rendered table, or write it into README.md."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ws = make_workspace(Path(tmp))
+        table = render_table({case.id: run_case(case, ws) for case in CASES})
+    if not write:
+        print(table)
+        return
+    readme = README.read_text(encoding="utf-8")
+    README.write_text(with_block(readme, table), encoding="utf-8")
+    print(f"README.md: {len(CASES)} rejected inputs")
+
+
+if __name__ == "__main__":
+    main_write("--write" in sys.argv[1:])
