@@ -1,9 +1,11 @@
 """Python entry points with the same signatures as mergekit's.
 
-They differ from mergekit's own only in making global RAM+ work: the
-in-memory functions count the whole input before merging and pass λ as
-`unique_scale`; `run_merge` keeps the caller's configuration and recipe intact
-(the planner hook does the counting).
+They differ from mergekit's own in making global RAM+ work: the in-memory
+functions count the whole input before merging and pass λ as `unique_scale`;
+`run_merge` keeps the caller's configuration and recipe intact (the planner
+hook does the counting, mergekit_ram.output the staging). For `ram` /
+`ramplus` the in-memory functions also check every tensor group's layout
+first and take integer / bool buffers from the base model.
 """
 
 from __future__ import annotations
@@ -12,17 +14,17 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from mergekit import merge as mergekit_merge
 from mergekit import merge_methods
 from mergekit.config import MergeConfiguration
-from mergekit.merge import run_merge as mergekit_run_merge
 from mergekit.merge_methods import MergeMethod, PerGroupValues
 from mergekit.options import MergeOptions
 
+from mergekit_ram.inputs import finite_inputs
 from mergekit_ram.install import install
 from mergekit_ram.method import RAMMerge
 from mergekit_ram.settings import SCALAR_KEYS, MergeSettings
 from mergekit_ram.statistics import OverlapStatistics, group_tensors
-from mergekit_ram.validation import validate_config
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
 
@@ -38,13 +40,13 @@ def run_merge(
     mergekit rewrites the configuration it is given while planning; this works
     on a deep copy and records the caller's recipe in mergekit_config.yml. A
     RAM / RAM+ configuration is validated first (RAMInputError), before any
-    weight is read.
+    weight is read, by the run_merge wrapper of mergekit_ram.output.
     """
     install()
-    validate_config(merge_config, options)
     if config_source is None:
         config_source = merge_config.to_yaml()
-    mergekit_run_merge(
+    # Through the module attribute: install() put the staging wrapper there.
+    mergekit_merge.run_merge(
         merge_config.model_copy(deep=True),
         out_path,
         options=options,
@@ -57,22 +59,31 @@ def _method(method: str | MergeMethod) -> MergeMethod:
     return merge_methods.get(method) if isinstance(method, str) else method
 
 
+def _shared(
+    method: RAMMerge, parameters: Mapping[str, Any], name: str, index: int | None
+) -> Any:
+    """A shared parameter's validated value for tensor group `index`.
+
+    With index None the value must be the same for every group (whole-model
+    statistics use one value).
+    """
+    spec = next(p for p in method.spec.parameters if p.name == name)
+    value = parameters.get(name, spec.default)
+    if isinstance(value, PerGroupValues):
+        if index is None and len(set(value.values)) > 1:
+            raise ValueError(
+                f"'{name}' varies per tensor group, but whole-model "
+                "statistics need one value: pass a scalar or set "
+                "statistics='tensor'."
+            )
+        value = value.values[index or 0]
+    return spec.validate(value)
+
+
 def _settings(method: RAMMerge, parameters: Mapping[str, Any]) -> MergeSettings:
-    values = {}
-    for spec in method.spec.parameters:
-        if spec.name not in SCALAR_KEYS:
-            continue
-        value = parameters.get(spec.name, spec.default)
-        if isinstance(value, PerGroupValues):
-            if len(set(value.values)) > 1:
-                raise ValueError(
-                    f"'{spec.name}' varies per tensor group, but whole-model "
-                    "statistics need one value: pass a scalar or set "
-                    "statistics='tensor'."
-                )
-            value = value.values[0]
-        values[spec.name] = spec.validate(value)
-    return MergeSettings(**values)
+    return MergeSettings(
+        **{key: _shared(method, parameters, key, None) for key in SCALAR_KEYS}
+    )
 
 
 def _explicit(value: Any, task_ids: Sequence[Hashable]) -> dict[Hashable, Any]:
@@ -83,7 +94,7 @@ def _explicit(value: Any, task_ids: Sequence[Hashable]) -> dict[Hashable, Any]:
     return {task: value for task in task_ids}
 
 
-def _with_global_scales(
+def _checked_parameters(
     method: MergeMethod,
     parameters: Mapping[str, Any] | None,
     groups: Iterable[tuple[str, Mapping[Hashable, torch.Tensor]]],
@@ -91,7 +102,13 @@ def _with_global_scales(
     base: Hashable | None,
     dtype: torch.dtype | None,
 ) -> Mapping[str, Any] | None:
-    """Parameters with whole-input λ as unique_scale, where RAM+ needs them."""
+    """Check every group's layout; for global RAM+ add whole-input λ.
+
+    The layout check runs before mergekit's own so that a mismatch is a
+    RAMInputError naming the models; where RAM+ needs whole-input statistics
+    the same loop counts (after the `nonfinite` rule, as the kernel sees
+    the inputs) and λ is passed on as unique_scale.
+    """
     if not isinstance(method, RAMMerge) or base is None or base not in ids:
         return parameters
     parameters = dict(parameters or {})
@@ -101,19 +118,33 @@ def _with_global_scales(
     if isinstance(parameters.get("unique_scale"), Mapping):
         # A model left out of the mapping has no explicit λ, in every scope.
         parameters["unique_scale"] = explicit
-    if not settings.needs_pass(task_ids, explicit):
-        return parameters
+    counting = settings.needs_pass(task_ids, explicit)
     stats = OverlapStatistics(epsilon=settings.epsilon)
     with torch.no_grad():
-        for name, tensors in groups:
-            if dtype is not None:
+        for index, (name, tensors) in enumerate(groups):
+            if counting and dtype is not None:
                 tensors = {i: t.to(dtype) for i, t in tensors.items()}
-            group = group_tensors(tensors, base, ids, None)
-            if group is not None:
-                stats.add(name, *group)
-    scales = stats.scales(settings.rule, explicit)
-    parameters["unique_scale"] = {task: scales.get(task, 1.0) for task in task_ids}
+            group = group_tensors(tensors, base, ids, None, name=name)
+            if counting and group is not None:
+                nonfinite = _shared(method, parameters, "nonfinite", index)
+                stats.add(name, group[0], finite_inputs(name, base, *group, nonfinite))
+    if counting:
+        scales = stats.scales(settings.rule, explicit)
+        parameters["unique_scale"] = {t: scales.get(t, 1.0) for t in task_ids}
     return parameters
+
+
+def _base_buffers(
+    dicts: Mapping[Hashable, Mapping[str, torch.Tensor]], base: Hashable
+) -> dict[Hashable, dict[str, torch.Tensor]]:
+    """The state dicts with every model's copy of a non-float base buffer
+    replaced by the base's, so mergekit's copy-if-equal rule copies the base's
+    (RAM has no task vector for integer or bool buffers)."""
+    buffers = {n: t for n, t in dicts[base].items() if not t.is_floating_point()}
+    return {
+        key: {n: buffers.get(n, t) for n, t in state.items()}
+        for key, state in dicts.items()
+    }
 
 
 def merge_tensors(
@@ -131,7 +162,7 @@ def merge_tensors(
     method = _method(method)
     ids = list(range(len(tensors))) if ids is None else list(ids)
     base = ids[base_index] if base_index is not None else None
-    parameters = _with_global_scales(
+    parameters = _checked_parameters(
         method,
         parameters,
         [(name or "tensor", dict(zip(ids, tensors)))],
@@ -168,13 +199,14 @@ def merge_state_dicts(
         list(models.items()) if isinstance(models, Mapping) else list(enumerate(models))
     )
     dicts = {
-        key: m.state_dict() if isinstance(m, torch.nn.Module) else m for key, m in items
+        key: m.state_dict(keep_vars=True) if isinstance(m, torch.nn.Module) else m
+        for key, m in items
     }
     ids = list(dicts)
     names = (
         [n for n in dicts[ids[0]] if all(n in d for d in dicts.values())] if ids else []
     )
-    parameters = _with_global_scales(
+    parameters = _checked_parameters(
         method,
         parameters,
         ((n, {i: dicts[i][n] for i in ids}) for n in names),
@@ -182,6 +214,8 @@ def merge_state_dicts(
         base,
         dtype,
     )
+    if isinstance(method, RAMMerge) and base in dicts:
+        models = _base_buffers(dicts, base)
     return merge_methods.merge_state_dicts(
         models,
         method,

@@ -1,8 +1,9 @@
-"""Put our methods into mergekit: the registry, the planner and the card.
+"""Put our methods into mergekit: registry, planner, card and run_merge.
 
 mergekit 0.1.5 has no plugin discovery, so this writes into its registry
 table (taking over `ram` on purpose: stock `ram` ignores r/alpha, ours equals
-it at defaults) and wraps two planner methods and the card generator. Every
+it at defaults) and wraps two planner methods, the card generator and
+run_merge (which stages RAM merges so a failed one never looks complete). Every
 step is idempotent and checks that the host still looks as expected, failing
 with IncompatibleMergekit otherwise rather than half-working.
 """
@@ -86,7 +87,32 @@ def patch_card(merge: ModuleType) -> None:
     merge.generate_card = generate_card
 
 
-PATCHES = (("mergekit.plan", patch_planner), ("mergekit.merge", patch_card))
+def patch_run_merge(merge: ModuleType) -> None:
+    """Make mergekit's run_merge stage RAM merges (mergekit_ram.output).
+
+    mergekit's scripts bind `run_merge` when they are imported. The autoload
+    hook patches mergekit.merge before any of them can, and a script imported
+    earlier (with the hook off) is rebound here.
+    """
+    from mergekit_ram.output import guarded_run_merge
+
+    original = getattr(merge, "run_merge", None)
+    if not callable(original):
+        raise _incompatible("mergekit.merge.run_merge is missing")
+    if hasattr(original, "__mergekit_ram__"):
+        return
+    merge.run_merge = guarded_run_merge(original)
+    for name, module in list(sys.modules.items()):
+        bound = getattr(module, "__dict__", {}).get("run_merge")
+        if name.startswith("mergekit.") and bound is original:
+            module.run_merge = merge.run_merge
+
+
+PATCHES = (
+    ("mergekit.plan", patch_planner),
+    ("mergekit.merge", patch_card),
+    ("mergekit.merge", patch_run_merge),
+)
 
 
 def install(eager: bool = True) -> None:

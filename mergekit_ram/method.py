@@ -18,6 +18,7 @@ from mergekit.merge_methods.base import (
 )
 from pydantic import Field
 
+from mergekit_ram.inputs import finite_inputs
 from mergekit_ram.kernel import ram_merge_tensor
 from mergekit_ram.scale import ScaleRule
 
@@ -31,6 +32,7 @@ PARAMETER_HELP = {
     "saturation": "clip (paper Eq. 6) or soft (λ = 1 + r·S/C)",
     "statistics": "global (whole model, the paper) or tensor (per tensor)",
     "unique_scale": "explicit λ for this task model; skips its statistics",
+    "nonfinite": "refuse NaN/Inf inputs, or ignore them (keep the base there)",
 }
 
 
@@ -54,10 +56,15 @@ class RAMMerge(GroupMergeMethod):
         alpha: float,
         saturation: str,
         statistics: str,
+        nonfinite: str,
         unique_scale: PerInputValues[float | None],
     ) -> torch.Tensor:
         if group.base is None:
             raise ValueError(f"{self.spec.name} needs a base model")
+        base = group.base.tensor
+        if not base.is_floating_point():
+            # Integer and bool buffers have no task vector: the base's, as is.
+            return base.clone()
         tasks = group.non_base
         rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
         scales = []
@@ -78,9 +85,16 @@ class RAMMerge(GroupMergeMethod):
                     "mergekit_ram.run_merge / merge_state_dicts / merge_tensors, "
                     "set unique_scale per model, or set statistics: tensor."
                 )
+        inputs = finite_inputs(
+            group.metadata.name or "tensor",
+            group.base.id,
+            base,
+            {entry.id: entry.tensor for entry in tasks},
+            nonfinite,
+        )
         return ram_merge_tensor(
-            group.base.tensor,
-            [entry.tensor for entry in tasks],
+            base,
+            [inputs[entry.id] for entry in tasks],
             epsilon=epsilon,
             scales=scales,
             scale_fn=lambda _index, hist: rule.scale(
@@ -107,6 +121,7 @@ def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
             shared("alpha", NonNegative, 2.0),
             shared("saturation", Literal["clip", "soft"], "clip"),
             shared("statistics", Literal["global", "tensor"], "global"),
+            shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
             ParameterSpec(
                 "unique_scale",
                 NonNegative | None,

@@ -5,10 +5,13 @@
 and each planned merge task gets the resulting λ as its models'
 `unique_scale`. Every entry point (mergekit-yaml, mergekit-ram merge, the
 Python run_merge) plans through this class, so all of them compute the same
-numbers. `plan_to_disk` additionally gets a last task that writes
-ram_statistics.json once the model has been finalized, and hands the result
-to a caller that asked for it with `capture_result` (`mergekit-ram merge
---report` reuses the merge's statistics that way instead of a second pass).
+numbers. Each planned merge task becomes a `RAMMergeTask`, which applies
+RAM's input rules before mergekit's own checks. `plan_to_disk` additionally
+gets a last task that writes ram_statistics.json once the model has been
+finalized (into the staging folder of `mergekit_ram.output`, published only
+when the whole merge succeeded), and hands the result to a caller that asked
+for it with `capture_result` (`mergekit-ram merge --report` reuses the
+merge's statistics that way instead of a second pass).
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from typing import Any
 import immutables
 from mergekit.graph import Task
 from mergekit.io.tasks import FinalizeModel
+from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from mergekit.plan import MergePlanner
 
+from mergekit_ram.inputs import check_layout
 from mergekit_ram.method import is_ours
+from mergekit_ram.output import destination
 from mergekit_ram.report import STATISTICS_FILE, statistics_document
 from mergekit_ram.settings import MergeSettings, unique_scale_error
 from mergekit_ram.statistics import collect_planned
@@ -53,6 +59,31 @@ def capture_result(out_path: str) -> Iterator[list]:
     finally:
         if _CAPTURED.get(key) is slot:
             del _CAPTURED[key]
+
+
+class RAMMergeTask(ExecuteMergeMethodTask):
+    """mergekit's merge task, with RAM's input rules before mergekit's checks.
+
+    A non-float base tensor (an integer or bool buffer) is passed through as
+    the base has it, even where a task model's differs (mergekit would
+    refuse); mismatched shapes fail with a RAMInputError naming the models
+    and, for a vocabulary axis, pointing to tokenizer_source.
+    """
+
+    def execute(self, tensors: dict, **kwargs: Any) -> Any:
+        base = tensors.get(self.base_model)
+        if base is not None:
+            if not base.is_floating_point():
+                return base
+            weight = self.output_weight
+            check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
+        return super().execute(tensors, **kwargs)
+
+
+def as_ram_task(task: ExecuteMergeMethodTask) -> RAMMergeTask:
+    """The same planned merge as a RAMMergeTask."""
+    fields = type(task).model_fields
+    return RAMMergeTask(**{name: getattr(task, name) for name in fields})
 
 
 class WriteStatistics(Task[None]):
@@ -158,6 +189,7 @@ def patched_plan(original):
         original(self)
         self._ram_result = None
         if is_ours(self.config.merge_method):
+            self._tensors = [(w, as_ram_task(t)) for w, t in self._tensors]
             self._ram_result = scale_planned(self)
             if self._ram_result is not None and self.options.write_model_card:
                 PENDING_CARDS[id(self.config)] = (self.config, self._ram_result)
@@ -170,7 +202,7 @@ def patched_plan_to_disk(original):
     def plan_to_disk(self: MergePlanner, out_path: str) -> list[Task]:
         tasks = original(self, out_path)
         result = getattr(self, "_ram_result", None)
-        slot = _CAPTURED.get(os.path.abspath(out_path))
+        slot = _CAPTURED.get(destination(out_path))
         if slot is not None:
             slot.append(result)
         if result is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mergekit_ram.inputs import check_layout, finite_inputs
 from mergekit_ram.kernel import change_mask, task_histogram, task_vector
 from mergekit_ram.scale import ScaleRule
 
@@ -143,14 +144,43 @@ def group_tensors(
     base_id: Hashable,
     order: Iterable[Hashable],
     device: torch.device | None,
+    *,
+    name: str,
+    vocabulary_axis: int | None = None,
 ) -> tuple | None:
-    """(base, {task: tensor}) on `device`, or None for a group RAM does not merge."""
+    """(base, {task: tensor}) on `device`, or None for a group RAM does not merge.
+
+    Nothing is counted where the base is missing or not floating point (an
+    integer or bool buffer, which the merge copies from the base); otherwise
+    every task tensor must have the base's layout (RAMInputError).
+    """
     base = tensors.get(base_id)
     if base is None or not base.is_floating_point():
         return None
+    check_layout(name, tensors, base_id, vocabulary_axis)
     move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
     tasks = {m: move(tensors[m]) for m in order if m != base_id and m in tensors}
     return move(base), tasks
+
+
+def _count_task(
+    stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
+) -> None:
+    """Check one planned merge task's gathered inputs, then count them."""
+    name = task.output_weight.name
+    group = group_tensors(
+        tensors,
+        task.base_model,
+        task.model_order,
+        device,
+        name=name,
+        vocabulary_axis=task.output_weight.vocabulary_axis,
+    )
+    if group is None:
+        return
+    base, inputs = group
+    nonfinite = task.parameters.get("nonfinite", "refuse")
+    stats.add(name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite))
 
 
 def collect_planned(
@@ -167,6 +197,9 @@ def collect_planned(
     `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
     (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
     executor, one group at a time, and each group is dropped once counted.
+    Every group is checked on the way (shapes, NaN/Inf under the task's
+    `nonfinite` rule), so bad inputs fail here, before the merge writes
+    anything.
     """
     from mergekit.graph import Executor
 
@@ -183,11 +216,7 @@ def collect_planned(
     )
     for gather, tensors in executor.run(quiet=quiet, desc=desc):
         for task in by_input[gather]:
-            group = group_tensors(
-                tensors, task.base_model, task.model_order, math_device
-            )
-            if group is not None:
-                stats.add(task.output_weight.name, *group)
-        del tensors, group
+            _count_task(stats, task, tensors, math_device)
+        del tensors
     stats.seconds = time.perf_counter() - started
     return stats

@@ -15,6 +15,7 @@ from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
 
 import mergekit_ram
+from mergekit_ram.errors import RAMInputError
 from mergekit_ram.install import (
     SUPPORTED,
     IncompatibleMergekit,
@@ -202,6 +203,7 @@ def test_spec_defaults():
         "alpha": 2.0,
         "saturation": "clip",
         "statistics": "global",
+        "nonfinite": "refuse",
         "unique_scale": None,
     }
     assert defaults(ram) == {**common, "r": 0.0}
@@ -237,6 +239,7 @@ BAD = [
     {"r": math.inf},
     {"saturation": "hard"},
     {"statistics": "model"},
+    {"nonfinite": "skip"},
     {"unique_scale": -1.0},
     {"unique_scale": math.nan},
 ]
@@ -349,3 +352,29 @@ def test_epsilon_parameter_reaches_kernel(case):
     )
     assert torch.equal(out, ref_merge(base, tasks, epsilon=4e-3))
     assert not torch.equal(out, ref_merge(base, tasks))
+
+
+# --- inputs as they reach the kernel -------------------------------------------
+
+
+def test_nonfinite_refused_or_ignored_through_mergekit(case):
+    base, tasks = case
+    poisoned = tasks[0].clone()
+    poisoned.view(-1)[[7, 9]] = torch.tensor([math.nan, math.inf])
+    tensors = [base, poisoned, *tasks[1:]]
+    params = {"statistics": "tensor", "r": 0.2}
+    with pytest.raises(RAMInputError, match="model 1 has 1 NaN and 1 infinite"):
+        merge_methods.merge_tensors(tensors, "ramplus", parameters=params, base_index=0)
+    out = merge_methods.merge_tensors(
+        tensors, "ramplus", parameters={**params, "nonfinite": "ignore"}, base_index=0
+    )
+    healed = torch.where(torch.isfinite(poisoned), poisoned, base)
+    expected = ref_merge(base, [healed, *tasks[1:]], statistics="tensor", r=0.2)
+    assert torch.equal(out, expected)
+
+
+def test_integer_base_passes_through_the_kernel():
+    base = torch.tensor([2**40 + 3, -5, 0], dtype=torch.int64)
+    out = merge_methods.merge_tensors([base, base * 2], "ram", base_index=0)
+    assert out.dtype == torch.int64 and torch.equal(out, base)
+    assert out.data_ptr() != base.data_ptr()

@@ -9,8 +9,15 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
+from mergekit_ram.errors import RAMInputError
+from mergekit_ram.inputs import finite_inputs
 from mergekit_ram.scale import ScaleRule
-from mergekit_ram.statistics import OverlapStatistics, TaskCounts, tensor_overlaps
+from mergekit_ram.statistics import (
+    OverlapStatistics,
+    TaskCounts,
+    group_tensors,
+    tensor_overlaps,
+)
 
 IDS = ["math", "code", "tools", "memory"]
 PROFILES = {
@@ -184,3 +191,57 @@ def test_inputs_not_modified():
     assert all(torch.equal(base[k], kept[k]) for k in base)
     for t, old in zip(tasks, kept_tasks):
         assert all(torch.equal(t[k], old[k]) for k in t)
+
+
+# --- checks on the way in (mergekit_ram.inputs) ------------------------------
+
+
+def test_group_tensors_checks_layout_and_skips_buffers():
+    base, (task,) = sparse_tasks((6, 4), [0.5], seed=7)
+    group = group_tensors({"b": base, "t": task}, "b", ["b", "t"], None, name="w")
+    assert group[0] is base and group[1] == {"t": task}
+    buffer = torch.arange(3)
+    assert (
+        group_tensors({"b": buffer, "t": buffer + 1}, "b", "bt", None, name="i") is None
+    )
+    wide = torch.zeros(7, 4)
+    with pytest.raises(RAMInputError, match=r"tokenizer_source") as raised:
+        group_tensors({"b": base, "t": wide}, "b", "bt", None, name="lm_head.weight")
+    assert "(6, 4) in the base model b but (7, 4) in model t" in str(raised.value)
+    with pytest.raises(RAMInputError, match="architecture"):
+        group_tensors({"b": base, "t": wide}, "b", "bt", None, name="mlp.up_proj")
+    with pytest.raises(RAMInputError, match="architecture"):
+        group_tensors(
+            {"b": base, "t": wide}, "b", "bt", None, name="w", vocabulary_axis=1
+        )
+
+
+def test_finite_check_survives_an_overflowing_sum():
+    big = torch.full((64,), 60000.0, dtype=torch.float16)  # finite, sum overflows
+    assert not torch.isfinite(big.sum())
+    assert finite_inputs("w", "b", big, {"t": big}, "refuse") == {"t": big}
+
+
+def test_ignore_counts_nonfinite_task_elements_as_unchanged():
+    base, tasks = state_dicts(PROFILES, seed=8)
+    poisoned = [{k: v.clone() for k, v in t.items()} for t in tasks]
+    for t, state in enumerate(poisoned):
+        flat = state["embed"].view(-1)
+        flat[t] = math.nan
+        flat[t + 10] = -math.inf
+    stats = OverlapStatistics(epsilon=EPSILON)
+    for name in base:
+        inputs = {i: t[name] for i, t in zip(IDS, poisoned)}
+        stats.add(
+            name, base[name], finite_inputs(name, "b", base[name], inputs, "ignore")
+        )
+    healed = [
+        {k: torch.where(torch.isfinite(v), v, base[k]) for k, v in t.items()}
+        for t in poisoned
+    ]
+    *_, hist = reference_stats(base, healed)
+    assert [stats.tasks[i].histogram for i in IDS] == hist
+    with pytest.raises(RAMInputError, match="model math has 1 NaN and 1 infinite"):
+        finite_inputs(
+            "embed", "b", base["embed"], {"math": poisoned[0]["embed"]}, "refuse"
+        )

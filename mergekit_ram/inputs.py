@@ -1,0 +1,141 @@
+"""Checks of the input tensors as they stream into a RAM merge.
+
+Every path that reads tensors calls these before any arithmetic (the
+statistics pass, the merge inside mergekit's graph, the in-memory API), so a
+bad input fails with a RAMInputError that names the tensor and the models,
+instead of a raw torch error or a merged model full of NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+
+import torch
+
+from mergekit_ram.errors import RAMInputError
+
+
+def _label(model: Hashable, base: Hashable) -> str:
+    return f"base model {model}" if model == base else f"model {model}"
+
+
+def _differing_axes(shapes: list[tuple[int, ...]]) -> set[int]:
+    """Axes along which same-rank shapes differ (empty when the ranks differ)."""
+    if len({len(shape) for shape in shapes}) != 1:
+        return set()
+    rank = len(shapes[0])
+    return {axis for axis in range(rank) if len({s[axis] for s in shapes}) > 1}
+
+
+def _is_vocabulary_mismatch(
+    name: str, axes: set[int], vocabulary_axis: int | None
+) -> bool:
+    """Whether only the token axis differs; by tensor name when mergekit gave none."""
+    if vocabulary_axis is not None:
+        return axes == {vocabulary_axis}
+    # Imported here: analyze imports statistics, which imports this module.
+    from mergekit_ram.analyze import module_of
+
+    return axes == {0} and module_of(name) in ("embeddings", "lm_head")
+
+
+def check_layout(
+    name: str,
+    tensors: Mapping[Hashable, torch.Tensor],
+    base: Hashable,
+    vocabulary_axis: int | None = None,
+) -> None:
+    """Refuse task tensors whose kind or shape differs from the base's.
+
+    RAM merges task vectors θ_t − θ₀, which only exist when every model holds
+    the tensor with the base's shape. A floating-point base is required here;
+    callers pass a non-float base buffer through before calling this.
+    """
+    base_tensor = tensors[base]
+    odd_kind = [m for m, t in tensors.items() if not t.is_floating_point()]
+    if odd_kind:
+        found = ", ".join(f"model {m} ({tensors[m].dtype})" for m in odd_kind)
+        raise RAMInputError(
+            f"Tensor {name} is floating point ({base_tensor.dtype}) in the base "
+            f"model {base} but not in {found}: RAM needs the same kind of tensor "
+            "in every model."
+        )
+    odd_shape = [m for m, t in tensors.items() if t.shape != base_tensor.shape]
+    if not odd_shape:
+        return
+    found = ", ".join(f"{tuple(tensors[m].shape)} in model {m}" for m in odd_shape)
+    axes = _differing_axes([tuple(t.shape) for t in tensors.values()])
+    if _is_vocabulary_mismatch(name, axes, vocabulary_axis):
+        (axis,) = axes
+        hint = (
+            f"Only the vocabulary axis ({axis}) differs: the models have different "
+            "vocabularies. For a mergekit-yaml merge set `tokenizer_source: union` "
+            "(or `base`, or one model's path) in the config: mergekit then lines "
+            "the embedding rows up by token before merging. In-memory inputs must "
+            "be aligned by the caller."
+        )
+    else:
+        hint = (
+            "RAM merges fine-tunes of one base model: every tensor must have the "
+            "base's shape (are these models of the same architecture and size?)."
+        )
+    raise RAMInputError(
+        f"Tensor {name} is {tuple(base_tensor.shape)} in the base model {base} "
+        f"but {found}. {hint}"
+    )
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite.
+
+    A sum is about ten times cheaper than isfinite().all() and is non-finite
+    whenever an element is; only when the sum itself overflows does the exact
+    check run.
+    """
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
+
+
+def _refusal(name: str, model: Hashable, base: Hashable, tensor: torch.Tensor) -> str:
+    nan = int(torch.isnan(tensor).sum())
+    inf = int(torch.isinf(tensor).sum())
+    return (
+        f"Tensor {name} of {_label(model, base)} has {nan} NaN and {inf} "
+        f"infinite values (of {tensor.numel()}, read as {tensor.dtype}); a merge "
+        "would carry them into the output. Fix the checkpoint, or set the merge "
+        "parameter `nonfinite: ignore` to treat them as unchanged (the output "
+        "keeps the base model's value there)."
+    )
+
+
+def finite_inputs(
+    name: str,
+    base_id: Hashable,
+    base: torch.Tensor,
+    tasks: Mapping[Hashable, torch.Tensor],
+    nonfinite: str,
+) -> dict[Hashable, torch.Tensor]:
+    """The task tensors to merge, after the `nonfinite` rule.
+
+    `refuse` raises on the first NaN or Inf in the base or a task. `ignore`
+    replaces a task's element by the base's wherever either is non-finite, so
+    that element counts as unchanged for that task (|τ| is 0 or NaN, never
+    above ε) in the statistics and the kernel alike, and the output keeps the
+    base's value, non-finite or not. Finite tensors are returned as they are.
+    """
+    base_finite = _all_finite(base)
+    if nonfinite == "refuse":
+        if not base_finite:
+            raise RAMInputError(_refusal(name, base_id, base_id, base))
+        for model, tensor in tasks.items():
+            if not _all_finite(tensor):
+                raise RAMInputError(_refusal(name, model, base_id, tensor))
+        return dict(tasks)
+    kept = {}
+    for model, tensor in tasks.items():
+        if base_finite and _all_finite(tensor):
+            kept[model] = tensor
+            continue
+        usable = torch.isfinite(tensor) & torch.isfinite(base)
+        # where() promotes to the wider dtype, so the base's value is exact.
+        kept[model] = torch.where(usable, tensor, base)
+    return kept
