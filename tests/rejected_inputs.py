@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -25,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
+import torch
 import yaml
 from click.testing import CliRunner
 from conftest import THREE_TASKS, Family, build_family
 from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 from mergekit.io.tasks import LoaderCache
+from safetensors.torch import load_file, save_file
 
 from mergekit_ram.cli import main
 
@@ -62,6 +65,18 @@ class Workspace:
     def task(self, name: str, **parameters) -> dict:
         """A models: entry for a family member with its own parameters."""
         return {"model": self.family.paths[name], "parameters": parameters}
+
+    def altered(
+        self, name: str, copy: str, change: Callable[[dict[str, torch.Tensor]], None]
+    ) -> str:
+        """A copy of family model `name` as ./copy, its tensors edited by `change`."""
+        path = self.root / copy
+        shutil.copytree(self.family.paths[name], path, dirs_exist_ok=True)
+        weights = str(path / "model.safetensors")
+        state = load_file(weights)
+        change(state)
+        save_file(state, weights, metadata={"format": "pt"})
+        return str(path)
 
     def directory(self, name: str, *files: str) -> str:
         """A scratch directory holding empty files with these names."""
@@ -112,6 +127,15 @@ class Outcome:
 
 def _filter(value_mlp, value_rest) -> list[dict]:
     return [{"filter": "mlp", "value": value_mlp}, {"value": value_rest}]
+
+
+def _nan(state: dict[str, torch.Tensor]) -> None:
+    state["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
+
+
+def _extra_token(state: dict[str, torch.Tensor]) -> None:
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        state[name] = torch.cat([state[name], state[name][:1]])
 
 
 CASES: tuple[Case, ...] = (
@@ -345,6 +369,27 @@ CASES: tuple[Case, ...] = (
         "a gradient `unique_scale: [1.0, 1.2]` on a task model",
         lambda ws: ws.config(models=[ws.task("alpha", unique_scale=[1.0, 1.2])]),
         ("unique_scale for model MODELS/alpha", "remove its filter or gradient"),
+    ),
+    # ---- the tensors, found while merging
+    Case(
+        "nan-in-tensor",
+        "a task model with a NaN in one tensor",
+        lambda ws: ws.config(
+            models=ws.models("alpha", {"model": ws.altered("beta", "nan-beta", _nan)})
+        ),
+        ("model.layers.0.mlp.up_proj.weight", "CWD/nan-beta", "nonfinite: ignore"),
+        stage="merge",
+    ),
+    Case(
+        "vocabulary-mismatch",
+        "a task model with one more token and no `tokenizer_source:`",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha", {"model": ws.altered("beta", "wide-beta", _extra_token)}
+            )
+        ),
+        ("(49, 32) in model CWD/wide-beta", "tokenizer_source: union"),
+        stage="merge",
     ),
     # ---- mergekit-ram analyze (any merge method)
     Case(

@@ -61,7 +61,11 @@ def test_refused_with_exit_2_and_a_message(case, outcomes, workspace):
     assert outcome.message, outcome.output
     for fragment in case.expect:
         assert fragment in outcome.message, outcome.message
-    assert not (workspace.root / f"out-{case.id}").exists()
+    out = workspace.root / f"out-{case.id}"
+    if case.stage == "config":
+        assert not out.exists()
+    else:  # a merge that failed leaves nothing behind
+        assert not out.exists() or not any(out.iterdir())
 
 
 def test_readme_table_matches_the_messages(outcomes):
@@ -94,10 +98,10 @@ def test_python_api_refuses_before_reading(family_f32, tmp_path):
 
 
 def test_stock_mergekit_yaml_exits_2_without_traceback(family_f32, tmp_path):
-    """A RAMInputError raised inside mergekit's run_merge reaches click cleanly."""
-    path = tmp_path / "filtered.yml"
-    epsilon = [{"filter": "mlp", "value": 1e-4}, {"value": 1e-5}]
-    path.write_text(family_f32.yaml("ramplus", parameters={"epsilon": epsilon}))
+    """Stock mergekit-yaml validates too (the autoload hook wraps run_merge),
+    and a RAMInputError raised inside mergekit's run_merge reaches click."""
+    path = tmp_path / "negative.yml"
+    path.write_text(family_f32.yaml("ramplus", parameters={"r": -1}))
     env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_RAM_AUTOLOAD"}
     env["HF_HUB_OFFLINE"] = "1"
     done = subprocess.run(
@@ -109,7 +113,7 @@ def test_stock_mergekit_yaml_exits_2_without_traceback(family_f32, tmp_path):
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    assert "Error: RAM parameter 'epsilon'" in done.stderr
+    assert "Error: parameters.r: -1 is negative" in done.stderr
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
