@@ -70,7 +70,8 @@ def ram_merge_tensor(
     counts = overlap_counts(base32, tasks, epsilon)
     divisor = counts.clamp(min=1).to(torch.float32)
     unique = counts == 1
-    delta = torch.zeros_like(base32)
+    # -0.0 is the additive identity: an unchanged -0.0 keeps its sign bit.
+    delta = torch.full_like(base32, -0.0)
     for index, (task, scale) in enumerate(zip(tasks, scales)):
         tau = task_vector(task, base32)
         mask = change_mask(tau, epsilon)
@@ -79,6 +80,6 @@ def ram_merge_tensor(
                 raise ValueError(f"no scale for task {index} and no scale_fn")
             scale = scale_fn(index, task_histogram(counts, mask, len(tasks)))
         contribution = torch.where(unique, tau * scale, tau / divisor)
-        delta += torch.where(mask, contribution, 0.0)
+        delta += torch.where(mask, contribution, -0.0)
         del tau, mask, contribution
     return (base32 + delta).to(dtype=base.dtype)

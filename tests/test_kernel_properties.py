@@ -332,21 +332,13 @@ def identical_cases(draw):
 @given(identical_cases(), st.data())
 def test_tasks_equal_to_the_base_give_the_base_bit_for_bit(case, data):
     """τ = 0 everywhere: the result is the base, bit for bit, dtype included
-    (−0.0 aside: see test_negative_zero_base_keeps_its_sign)."""
+    (−0.0 included)."""
     scales, rule = data.draw(scalings(case.n, max_scale=1e6))
     out = merge(case, scales, rule)
     assert out.dtype == case.base.dtype and out.shape == case.base.shape
-    signed_zero = bits(case.base) == bits(torch.tensor(-0.0).to(case.base.dtype))
-    assert torch.equal(bits(out)[~signed_zero], bits(case.base)[~signed_zero])
-    assert torch.equal(out, case.base)  # −0.0 == +0.0 in value
+    assert torch.equal(bits(out), bits(case.base))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the kernel accumulates from +0.0 and adds +0.0 for inactive tasks, "
-    "and −0.0 + +0.0 = +0.0: an unchanged −0.0 comes back as +0.0 (equal in "
-    "value, not in bits). Accumulating from −0.0, the additive identity, fixes it.",
-)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_negative_zero_base_keeps_its_sign(dtype):
     base = torch.tensor([-0.0, 0.0, 1.0], dtype=dtype)
@@ -444,9 +436,7 @@ def test_unchanged_elements_are_the_base(case, data):
     unchanged = c == 0
     assert unchanged.any()  # element 0 in every case
     assert torch.equal(out[unchanged], case.base[unchanged])
-    signed_zero = bits(case.base) == bits(torch.tensor(-0.0).to(case.base.dtype))
-    kept = unchanged & ~signed_zero  # −0.0: see the xfail above
-    assert torch.equal(bits(out)[kept], bits(case.base)[kept])
+    assert torch.equal(bits(out)[unchanged], bits(case.base)[unchanged])
 
 
 # --- counts against ε -----------------------------------------------------
