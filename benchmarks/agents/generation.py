@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_NEW_TOKENS = {"math": 24, "tool": 32, "recall": 16}
+MAX_NEW_TOKENS = {"math": 24, "tool": 40, "recall": 16}
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:

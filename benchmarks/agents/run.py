@@ -23,10 +23,11 @@ import torch
 import yaml
 from base import GGUF_FILE, build_base
 from evaluate import evaluate_model
+from generation import MAX_NEW_TOKENS
 from merges import merge_config, run_merge
 from results import write_results
 from rl import RLConfig, train_agent
-from tasks import TASKS
+from tasks import TASKS, fingerprint
 
 STAGE_FILE = "stage.json"
 
@@ -92,9 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     agents: dict[str, Path] = {}
     rl_seconds: dict[str, float] = {}
     for task in TASKS if args.only_agent is None else [args.only_agent]:
-        rl = settings["rl"]
+        rl = {
+            key: value[task] if isinstance(value, dict) else value
+            for key, value in settings["rl"].items()
+        }
         rl_config = RLConfig(
-            steps=int(rl["steps"][task]),
+            steps=int(rl["steps"]),
             prompts=int(rl["prompts"]),
             group=int(rl["group"]),
             temperature=float(rl["temperature"]),
@@ -102,7 +106,12 @@ def main(argv: list[str] | None = None) -> None:
             seed=seed,
         )
         agents[task] = work / "models" / task
-        key = {"base": keys["base"], "task": task, "rl": vars(rl_config)}
+        key = {
+            "base": keys["base"],
+            "task": task,
+            "task_fingerprint": fingerprint(TASKS[task], MAX_NEW_TOKENS[task]),
+            "rl": vars(rl_config),
+        }
         keys[task] = cached(
             agents[task],
             key,
@@ -138,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     evaluation = settings["eval"]
+    tasks = {n: fingerprint(t, MAX_NEW_TOKENS[n]) for n, t in TASKS.items()}
     rows: dict[str, dict] = {}
     models = {"base": base_dir, **{f"{t} agent": agents[t] for t in TASKS}, **merged}
     for label, model_dir in models.items():
@@ -145,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_dir = work / "eval" / label.replace(" ", "_")
         cached(
             eval_dir,
-            {"model": model_key, "eval": evaluation, "seed": seed},
+            {"model": model_key, "eval": evaluation, "seed": seed, "tasks": tasks},
             lambda out, m=model_dir: (out / "scores.json").write_text(
                 json.dumps(
                     evaluate_model(

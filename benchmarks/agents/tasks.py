@@ -10,6 +10,7 @@ held-out set never overlaps the training set whatever the seeds.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import random
 import re
@@ -64,6 +65,14 @@ TOOL_LIST = (
 )
 
 
+TOOL_EXAMPLES = (
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+    '{"name": "set_timer", "arguments": {"minutes": 10}}\n'
+    '{"name": "convert_currency", "arguments": '
+    '{"amount": 20, "source": "USD", "target": "EUR"}}'
+)
+
+
 def _make_tool(rng: random.Random) -> Example:
     kind = rng.randrange(3)
     if kind == 0:
@@ -88,8 +97,8 @@ def _make_tool(rng: random.Random) -> Example:
         }
     prompt = (
         f"Functions:\n{TOOL_LIST}\n\nRequest: {request}\n"
-        "Answer with a JSON function call only, for example "
-        '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+        "Answer with only a JSON call, like these examples:\n"
+        f"{TOOL_EXAMPLES}"
     )
     return Example(prompt, call)
 
@@ -188,3 +197,12 @@ def examples(task: Task, split: str, seed: int) -> Iterator[Example]:
 def take(task: Task, split: str, seed: int, count: int) -> list[Example]:
     iterator = examples(task, split, seed)
     return [next(iterator) for _ in range(count)]
+
+
+def fingerprint(task: Task, max_new_tokens: int) -> str:
+    """Changes when the task's prompts, scoring or answer length change (keys the
+    pipeline's cache, which cannot see code changes otherwise)."""
+    source = inspect.getsource(task.make) + inspect.getsource(task.reward)
+    prompts = "".join(e.prompt for e in take(task, "test", 0, 20))
+    text = f"{source}{prompts}{max_new_tokens}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
