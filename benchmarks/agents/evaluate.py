@@ -11,7 +11,11 @@ from tasks import TASKS, take
 
 
 def evaluate_model(model_dir: Path, prompts: int, batch: int, seed: int) -> dict:
-    """{task: {correct, n, accuracy, se, reward}} for one checkpoint."""
+    """{task: {correct, n, accuracy, se, reward, reward_se}} for one checkpoint.
+
+    accuracy counts exact answers; reward is the mean training reward, which
+    gives the tool task partial credit (valid call format, right function).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -27,13 +31,17 @@ def evaluate_model(model_dir: Path, prompts: int, batch: int, seed: int) -> dict
                 model, tokenizer, [e.prompt for e in chunk], MAX_NEW_TOKENS[name]
             ).texts
             rewards += [task.reward(e, text) for e, text in zip(chunk, texts)]
+        n = len(rewards)
         correct = sum(r == 1.0 for r in rewards)
-        accuracy = correct / len(rewards)
+        accuracy = correct / n
+        reward = sum(rewards) / n
+        spread = sum((r - reward) ** 2 for r in rewards) / max(n - 1, 1)
         scores[name] = {
             "correct": correct,
-            "n": len(rewards),
+            "n": n,
             "accuracy": accuracy,
-            "se": math.sqrt(accuracy * (1 - accuracy) / len(rewards)),
-            "reward": sum(rewards) / len(rewards),
+            "se": math.sqrt(accuracy * (1 - accuracy) / n),
+            "reward": reward,
+            "reward_se": math.sqrt(spread / n),
         }
     return scores

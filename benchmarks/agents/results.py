@@ -13,33 +13,42 @@ from tasks import TASKS
 PAPER_PROBE = {"math": (3.2, 6.3), "tool": (46.2, 40.8), "recall": (54.3, 47.5)}
 
 
-def average(scores: dict) -> tuple[float, float]:
-    """Mean accuracy over tasks and its SE (tasks' SEs combined, independent)."""
-    values = [scores[task]["accuracy"] for task in TASKS]
-    se = math.sqrt(sum(scores[task]["se"] ** 2 for task in TASKS)) / len(TASKS)
+METRICS = {"accuracy": "se", "reward": "reward_se"}
+
+
+def average(scores: dict, metric: str = "accuracy") -> tuple[float, float]:
+    """Mean of a metric over tasks and its SE (tasks' SEs combined, independent)."""
+    error = METRICS[metric]
+    values = [scores[task][metric] for task in TASKS]
+    se = math.sqrt(sum(scores[task][error] ** 2 for task in TASKS)) / len(TASKS)
     return sum(values) / len(values), se
 
 
-def table_markdown(rows: dict[str, dict], prompts: int) -> str:
-    """Rows = models, columns = tasks + average, accuracy % ± SE."""
+def table_markdown(
+    rows: dict[str, dict], prompts: int, metric: str = "accuracy"
+) -> str:
+    """Rows = models, columns = tasks + average, metric % ± SE."""
+    error = METRICS[metric]
     header = "| model | " + " | ".join(TASKS) + " | average |"
     lines = [header, "|" + "---|" * (len(TASKS) + 2)]
     for model, scores in rows.items():
         cells = [
-            f"{100 * scores[t]['accuracy']:.1f} ± {100 * scores[t]['se']:.1f}"
+            f"{100 * scores[t][metric]:.1f} ± {100 * scores[t][error]:.1f}"
             for t in TASKS
         ]
-        mean, se = average(scores)
+        mean, se = average(scores, metric)
         lines.append(
             f"| {model} | "
             + " | ".join(cells)
             + f" | {100 * mean:.1f} ± {100 * se:.1f} |"
         )
     lines.append("")
-    lines.append(
-        f"Greedy decoding, {prompts} held-out prompts per task; accuracy % ± one "
-        "binomial standard error."
+    what = (
+        "exact accuracy % ± one binomial standard error"
+        if metric == "accuracy"
+        else "mean reward × 100 ± one standard error (tool: partial credit)"
     )
+    lines.append(f"Greedy decoding, {prompts} held-out prompts per task; {what}.")
     return "\n".join(lines) + "\n"
 
 
@@ -106,6 +115,8 @@ def write_results(
     paths[1].write_text(
         "## Accuracy\n\n"
         + table_markdown(rows, prompts)
+        + "\n## Mean reward\n\n"
+        + table_markdown(rows, prompts, "reward")
         + "\n## Probe (`mergekit-ram analyze`)\n\n"
         + probe_markdown(report)
     )
