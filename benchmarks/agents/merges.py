@@ -23,7 +23,7 @@ def merge_config(spec: dict, base: Path, agents: dict[str, Path]) -> dict:
         "merge_method": spec["method"],
         "base_model": str(base),
         "models": models,
-        "dtype": "bfloat16",
+        "dtype": spec.get("dtype", "bfloat16"),
     }
     if spec.get("parameters"):
         config["parameters"] = dict(spec["parameters"])
