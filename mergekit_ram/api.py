@@ -23,7 +23,7 @@ from mergekit.options import MergeOptions
 from mergekit_ram.inputs import finite_inputs
 from mergekit_ram.install import install
 from mergekit_ram.method import RAMMerge
-from mergekit_ram.settings import SCALAR_KEYS, MergeSettings
+from mergekit_ram.settings import SCALAR_KEYS, MergeSettings, one_value_error
 from mergekit_ram.statistics import OverlapStatistics, group_tensors
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
@@ -71,11 +71,7 @@ def _shared(
     value = parameters.get(name, spec.default)
     if isinstance(value, PerGroupValues):
         if index is None and len(set(value.values)) > 1:
-            raise ValueError(
-                f"'{name}' varies per tensor group, but whole-model "
-                "statistics need one value: pass a scalar or set "
-                "statistics='tensor'."
-            )
+            raise one_value_error(name, "varies per tensor group")
         value = value.values[index or 0]
     return spec.validate(value)
 

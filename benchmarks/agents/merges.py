@@ -30,9 +30,10 @@ def merge_config(spec: dict, base: Path, agents: dict[str, Path]) -> dict:
     return config
 
 
-def mergekit_yaml() -> str:
-    found = Path(sys.executable).with_name("mergekit-yaml")
-    return str(found) if found.exists() else (shutil.which("mergekit-yaml") or "")
+def console_script(name: str) -> str:
+    """A console script of this environment (mergekit-yaml, mergekit-ram)."""
+    found = Path(sys.executable).with_name(name)
+    return str(found) if found.exists() else (shutil.which(name) or name)
 
 
 def run_merge(spec: dict, config: dict, out_dir: Path, seed: int) -> None:
@@ -44,7 +45,7 @@ def run_merge(spec: dict, config: dict, out_dir: Path, seed: int) -> None:
     if spec.get("stock"):
         env["MERGEKIT_RAM_AUTOLOAD"] = "0"
     command = [
-        mergekit_yaml(),
+        console_script("mergekit-yaml"),
         str(config_file),
         str(out_dir),
         "--random-seed",

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ import yaml
 from base import GGUF_FILE, build_base
 from evaluate import evaluate_model
 from generation import MAX_NEW_TOKENS
-from merges import merge_config, run_merge
+from merges import console_script, merge_config, run_merge
 from results import write_results
 from rl import RLConfig, train_agent
 from tasks import TASKS, fingerprint
@@ -56,7 +55,7 @@ def probe(config: dict, out_dir: Path) -> None:
     """`mergekit-ram analyze` on the agents: the report a user would read."""
     config_file = out_dir / "probe.yml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [str(Path(sys.executable).with_name("mergekit-ram")), "analyze"]
+    command = [console_script("mergekit-ram"), "analyze"]
     command += [str(config_file), "--out", str(out_dir), "--r", "0,0.1,0.2"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     result = subprocess.run(command, env=env, capture_output=True, text=True)
