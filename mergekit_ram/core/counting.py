@@ -1,26 +1,28 @@
-"""Overlap statistics: C, S, U and the k-way histogram per task (RAM_SPEC.md).
+"""Overlap statistics: C, S, U and the k-way histogram per task (docs/spec.md).
 
 The one place they are counted. `tensor_overlaps` counts one tensor group;
-`OverlapStatistics` adds groups up per task, in total and per output tensor;
-`collect_planned` streams over the groups a planned mergekit merge will
-compute, so the global RAM+ scale sees exactly what the merge sees while only
-about one tensor group is resident at a time. Pairwise intersections
-|m_s ∧ m_t| (for Jaccard overlaps) are counted alongside, from the same masks.
+`OverlapStatistics` adds groups up per task, in total and per output tensor.
+Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
+alongside, from the same masks. Streaming over a planned mergekit merge is
+mergekit_ram.integration.statistics_pass.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from mergekit_ram.inputs import check_layout, finite_inputs
-from mergekit_ram.kernel import change_mask, task_histogram, task_vector
-from mergekit_ram.scale import ScaleRule
+from mergekit_ram.core.checks import check_layout
+from mergekit_ram.core.kernel import (
+    change_mask,
+    count_changes,
+    task_histogram,
+    task_vector,
+)
+from mergekit_ram.core.scale import ScaleRule
 
 
 def tensor_overlaps(
@@ -36,9 +38,7 @@ def tensor_overlaps(
     """
     base32 = base.to(dtype=torch.float32)
     masks = [change_mask(task_vector(task, base32), epsilon) for task in tasks]
-    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
-    for mask in masks:
-        counts += mask
+    counts = count_changes(masks, base32)
     rows = [task_histogram(counts, mask, len(tasks)).tolist() for mask in masks]
     pairs = [[0] * len(tasks) for _ in tasks]
     for s, mask in enumerate(masks):
@@ -51,7 +51,8 @@ def tensor_overlaps(
     return rows, pairs
 
 
-def _add_into(total: list[int], row: Sequence[int]) -> None:
+def add_histogram(total: list[int], row: Sequence[int]) -> None:
+    """Add a k-way histogram into a running total (the one place they are summed)."""
     if len(total) < len(row):
         total.extend([0] * (len(row) - len(total)))
     for k, value in enumerate(row):
@@ -114,7 +115,7 @@ class OverlapStatistics:
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
             local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
             total = self.tasks.setdefault(task_id, TaskCounts())
-            _add_into(total.histogram, row)
+            add_histogram(total.histogram, row)
             total.elements += base.numel()
             for other, value in shared_with.items():
                 total.intersections[other] = total.intersections.get(other, 0) + value
@@ -161,62 +162,3 @@ def group_tensors(
     move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
     tasks = {m: move(tensors[m]) for m in order if m != base_id and m in tensors}
     return move(base), tasks
-
-
-def _count_task(
-    stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
-) -> None:
-    """Check one planned merge task's gathered inputs, then count them."""
-    name = task.output_weight.name
-    group = group_tensors(
-        tensors,
-        task.base_model,
-        task.model_order,
-        device,
-        name=name,
-        vocabulary_axis=task.output_weight.vocabulary_axis,
-    )
-    if group is None:
-        return
-    base, inputs = group
-    nonfinite = task.parameters.get("nonfinite", "refuse")
-    stats.add(name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite))
-
-
-def collect_planned(
-    planned: Sequence[Any],
-    *,
-    epsilon: float,
-    device: str | None,
-    storage_device: str | None,
-    quiet: bool,
-    desc: str = "RAM+ statistics",
-) -> OverlapStatistics:
-    """Stream over the gathered inputs of planned merge tasks and count them.
-
-    `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
-    (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
-    executor, one group at a time, and each group is dropped once counted.
-    Every group is checked on the way (shapes, NaN/Inf under the task's
-    `nonfinite` rule), so bad inputs fail here, before the merge writes
-    anything.
-    """
-    from mergekit.graph import Executor
-
-    started = time.perf_counter()
-    by_input: dict[Any, list[Any]] = {}
-    for task in planned:
-        by_input.setdefault(task.gather_tensors, []).append(task)
-    stats = OverlapStatistics(epsilon=epsilon)
-    math_device = torch.device(device or "cpu")
-    executor = Executor(
-        targets=list(by_input),
-        math_device=math_device,
-        storage_device=torch.device(storage_device or "cpu"),
-    )
-    for gather, tensors in executor.run(quiet=quiet, desc=desc):
-        for task in by_input[gather]:
-            _count_task(stats, task, tensors, math_device)
-        del tensors
-    stats.seconds = time.perf_counter() - started
-    return stats

@@ -6,8 +6,8 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.scale import ScaleRule
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.scale import ScaleRule
 
 SCALAR_KEYS = ("epsilon", "r", "alpha", "saturation", "statistics")
 

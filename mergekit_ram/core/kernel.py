@@ -1,4 +1,4 @@
-"""The RAM merge rule for one tensor (RAM_SPEC.md, "Merge rule").
+"""The RAM merge rule for one tensor (docs/spec.md, "Merge rule").
 
 Everything is computed in float32 whatever the stored dtype, helper tensors live
 on the inputs' device, inputs are never written, and task vectors are recomputed
@@ -8,7 +8,7 @@ tensor however many task models there are.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -27,14 +27,25 @@ def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
     return tau.abs() > epsilon
 
 
+def count_changes(masks: Iterable[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """c_i: how many of the change masks are set at element i (int32).
+
+    The one place masks are counted; `masks` may be a generator, so only one
+    mask need exist at a time.
+    """
+    counts = torch.zeros(like.shape, dtype=torch.int32, device=like.device)
+    for mask in masks:
+        counts += mask
+    return counts
+
+
 def overlap_counts(
     base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> torch.Tensor:
     """c_i: how many task models change element i."""
-    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
-    for task in tasks:
-        counts += change_mask(task_vector(task, base32), epsilon)
-    return counts
+    return count_changes(
+        (change_mask(task_vector(task, base32), epsilon) for task in tasks), base32
+    )
 
 
 def task_histogram(

@@ -12,7 +12,8 @@ from collections.abc import Hashable, Mapping
 
 import torch
 
-from mergekit_ram.errors import RAMInputError
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.naming import module_of
 
 
 def _label(model: Hashable, base: Hashable) -> str:
@@ -33,9 +34,6 @@ def _is_vocabulary_mismatch(
     """Whether only the token axis differs; by tensor name when mergekit gave none."""
     if vocabulary_axis is not None:
         return axes == {vocabulary_axis}
-    # Imported here: analyze imports statistics, which imports this module.
-    from mergekit_ram.analyze import module_of
-
     return axes == {0} and module_of(name) in ("embeddings", "lm_head")
 
 
