@@ -32,9 +32,11 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.method import is_ours
-from mergekit_ram.validation import validate_config
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.context import merge_run
+from mergekit_ram.integration.errors import ClickInputError
+from mergekit_ram.integration.methods import is_ours
+from mergekit_ram.integration.validation import validate_config
 
 STAGING = ".mergekit-ram-partial"
 # Files that make a folder look like a finished merge, in publishing order
@@ -52,13 +54,6 @@ MARKERS = (
 WEIGHTS = re.compile(
     r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
 )
-
-
-def destination(path: str) -> str:
-    """The folder a merge planned into `path` ends up in (`path` unless staged)."""
-    path = os.path.abspath(path)
-    folder = os.path.dirname(path)
-    return os.path.dirname(folder) if os.path.basename(folder) == STAGING else path
 
 
 def refuse_input_folder(config: Any, out_path: str) -> None:
@@ -111,20 +106,38 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(
                 merge_config, out_path, options=options, config_source=config_source
             )
-        validate_config(merge_config, options)
-        refuse_input_folder(merge_config, out_path)
-        os.makedirs(out_path, exist_ok=True)
-        clear_merge(out_path)
-        root = os.path.join(out_path, STAGING)
-        staged = os.path.join(root, os.path.basename(os.path.abspath(out_path)))
-        os.makedirs(staged)
         try:
-            original(merge_config, staged, options=options, config_source=config_source)
-            publish(staged, out_path)
-        except BaseException:
-            clear_merge(out_path)
+            with merge_run():
+                _staged_merge(original, merge_config, out_path, options, config_source)
+        except ClickInputError:
             raise
-        shutil.rmtree(root)
+        except RAMInputError as error:
+            # mergekit-yaml is a click command: print it as `Error: ...`, exit 2.
+            raise ClickInputError(str(error)) from error
 
     run_merge.__mergekit_ram__ = original
     return run_merge
+
+
+def _staged_merge(
+    original: Callable[..., Any],
+    merge_config: Any,
+    out_path: str,
+    options: Any,
+    config_source: str | None,
+) -> None:
+    """Steps 1 to 4 above."""
+    validate_config(merge_config, options)
+    refuse_input_folder(merge_config, out_path)
+    os.makedirs(out_path, exist_ok=True)
+    clear_merge(out_path)
+    root = os.path.join(out_path, STAGING)
+    staged = os.path.join(root, os.path.basename(os.path.abspath(out_path)))
+    os.makedirs(staged)
+    try:
+        original(merge_config, staged, options=options, config_source=config_source)
+        publish(staged, out_path)
+    except BaseException:
+        clear_merge(out_path)
+        raise
+    shutil.rmtree(root)

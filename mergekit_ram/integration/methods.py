@@ -16,14 +16,28 @@ from mergekit.merge_methods.base import (
     PerInputValues,
     TensorGroup,
 )
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-from mergekit_ram.inputs import finite_inputs
-from mergekit_ram.kernel import ram_merge_tensor
-from mergekit_ram.scale import ScaleRule
+from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.counting import TaskCounts
+from mergekit_ram.core.kernel import ram_merge_tensor
+from mergekit_ram.core.scale import ScaleRule
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def _no_bool(value: Any) -> Any:
+    """YAML's true / false are not numbers (pydantic would read them as 1 / 0)."""
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+# The one definition of a valid numeric RAM parameter; configuration checks
+# (integration.parameter_schema) reformat its errors.
+NonNegative = Annotated[
+    float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)
+]
 
 PARAMETER_HELP = {
     "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
@@ -97,10 +111,14 @@ class RAMMerge(GroupMergeMethod):
             [inputs[entry.id] for entry in tasks],
             epsilon=epsilon,
             scales=scales,
-            scale_fn=lambda _index, hist: rule.scale(
-                int(hist.sum() - hist[0]), int(hist[0])
-            ),
+            scale_fn=lambda _index, hist: _local_scale(rule, hist),
         )
+
+
+def _local_scale(rule: ScaleRule, histogram: torch.Tensor) -> float:
+    """λ from one tensor's k-way histogram (statistics: tensor)."""
+    counts = TaskCounts(histogram.tolist())
+    return rule.scale(counts.shared, counts.unique)
 
 
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:

@@ -6,8 +6,9 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from mergekit_ram.settings import MergeSettings
-from mergekit_ram.statistics import OverlapStatistics
+from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.integration.tables import markdown_table, percent
 
 STATISTICS_FILE = "ram_statistics.json"
 
@@ -52,11 +53,6 @@ def statistics_document(
     }
 
 
-def percent(part: float, whole: float, digits: int = 2) -> str:
-    """`part` as a percentage of `whole`, or a dash when `whole` is 0."""
-    return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
-
-
 def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,
@@ -74,15 +70,18 @@ def card_section(
         "[mergekit-ram](https://pypi.org/project/mergekit-ram/). "
         f"Full counts are in `{STATISTICS_FILE}`.",
         "",
-        "| model | changed | unique | shared | ρ = S/U | λ |",
-        "|---|---|---|---|---|---|",
     ]
+    rows = []
     for row in task_rows(stats, scales):
-        rho = "∞" if row["rho"] is None else f"{row['rho']:.4f}"
-        lines.append(
-            f"| {row['model']} | {percent(row['changed'], row['elements'])} | "
-            f"{percent(row['unique'], row['changed'])} | "
-            f"{percent(row['shared'], row['changed'])} | {rho} | "
-            f"{row['scale']:.4f} |"
+        rows.append(
+            [
+                row["model"],
+                percent(row["changed"], row["elements"]),
+                percent(row["unique"], row["changed"]),
+                percent(row["shared"], row["changed"]),
+                "∞" if row["rho"] is None else f"{row['rho']:.4f}",
+                f"{row['scale']:.4f}",
+            ]
         )
-    return "\n".join(lines) + "\n"
+    headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ"]
+    return "\n".join(lines + markdown_table(headers, rows)) + "\n"

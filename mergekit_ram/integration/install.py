@@ -36,7 +36,7 @@ def register_methods() -> None:
     from mergekit.merge_methods import ram as stock_ram
     from mergekit.merge_methods import registry
 
-    from mergekit_ram.method import METHODS, RAMMerge
+    from mergekit_ram.integration.methods import METHODS, RAMMerge
 
     table = getattr(registry, "_METHODS", None)
     if not isinstance(table, dict) or not callable(getattr(registry, "get", None)):
@@ -56,7 +56,7 @@ def register_methods() -> None:
 
 def patch_planner(plan: ModuleType) -> None:
     """Wrap MergePlanner._plan / plan_to_disk for whole-model statistics."""
-    from mergekit_ram.planning import patched_plan, patched_plan_to_disk
+    from mergekit_ram.integration.planner import patched_plan, patched_plan_to_disk
 
     for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
         planner = getattr(plan, "MergePlanner", None)
@@ -69,8 +69,8 @@ def patch_planner(plan: ModuleType) -> None:
 
 def patch_card(merge: ModuleType) -> None:
     """Add the RAM+ statistics section to mergekit's model card."""
-    from mergekit_ram.planning import statistics_for_card
-    from mergekit_ram.report import card_section
+    from mergekit_ram.integration.planner import statistics_for_card
+    from mergekit_ram.integration.results import card_section
 
     original = getattr(merge, "generate_card", None)
     if not callable(original):
@@ -80,7 +80,7 @@ def patch_card(merge: ModuleType) -> None:
 
     def generate_card(config, config_yaml, name=None):
         card = original(config=config, config_yaml=config_yaml, name=name)
-        result = statistics_for_card(config)
+        result = statistics_for_card()
         return card if result is None else card + card_section(*result)
 
     generate_card.__mergekit_ram__ = original
@@ -88,13 +88,13 @@ def patch_card(merge: ModuleType) -> None:
 
 
 def patch_run_merge(merge: ModuleType) -> None:
-    """Make mergekit's run_merge stage RAM merges (mergekit_ram.output).
+    """Make mergekit's run_merge stage RAM merges (`publishing`).
 
     mergekit's scripts bind `run_merge` when they are imported. The autoload
     hook patches mergekit.merge before any of them can, and a script imported
     earlier (with the hook off) is rebound here.
     """
-    from mergekit_ram.output import guarded_run_merge
+    from mergekit_ram.integration.publishing import guarded_run_merge
 
     original = getattr(merge, "run_merge", None)
     if not callable(original):

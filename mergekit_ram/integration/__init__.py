@@ -1,0 +1,1 @@
+"""mergekit-facing code: method specs, registration, planner hook, publishing."""

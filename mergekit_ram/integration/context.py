@@ -1,0 +1,44 @@
+"""What one merge computed, carried from the planner to the card and the caller.
+
+The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
+(a context variable, so nothing outlives the merge, failed or not); the
+planner hook stores its (settings, statistics, scales) there, the model-card
+hook and `mergekit-ram merge --report` read them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+
+@dataclass
+class MergeRun:
+    """One merge in progress; `result` is None until (and unless) RAM+ counted."""
+
+    result: tuple | None = None
+
+
+_CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)
+
+
+def current_run() -> MergeRun | None:
+    """The merge in progress in this context, if a RAM merge is running."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def merge_run() -> Iterator[MergeRun]:
+    """The merge in progress, opened here unless the caller already opened one."""
+    run = _CURRENT.get()
+    if run is not None:
+        yield run
+        return
+    run = MergeRun()
+    token = _CURRENT.set(run)
+    try:
+        yield run
+    finally:
+        _CURRENT.reset(token)

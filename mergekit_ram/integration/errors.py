@@ -1,0 +1,22 @@
+"""Our input errors as click's, for mergekit's and our command-line tools.
+
+Core raises RAMInputError, a plain ValueError. Stock `mergekit-yaml` is a
+click command that knows nothing of it, so the run_merge wrapper re-raises it
+as a ClickInputError, which click prints as `Error: ...` with exit code 2 and
+no traceback, and which Python callers can still catch as RAMInputError.
+"""
+
+from __future__ import annotations
+
+import click
+
+from mergekit_ram.core.errors import RAMInputError
+
+
+class ClickInputError(click.ClickException, RAMInputError):
+    """A RAMInputError that click prints as `Error: ...` and exits 2 on."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))

@@ -1,0 +1,136 @@
+"""Checks that every model a configuration names can be loaded, before loading it.
+
+A local model directory must hold weights mergekit can load and a
+config.json; a hub id is accepted online (mergekit downloads it) and, with
+HF_HUB_OFFLINE=1, refused with the cached snapshot's directory to use instead.
+Reads at most a directory listing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import huggingface_hub
+from huggingface_hub import constants
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from huggingface_hub.utils import validate_repo_id
+from mergekit.common import ModelPath, ModelReference
+from mergekit.config import MergeConfiguration
+from mergekit.scripts.multimerge import MODEL_CHECK_FILENAMES
+
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.config_groups import Group
+
+# What mergekit's ShardedTensorIndex.from_disk looks for in a model directory.
+WEIGHT_FILES = tuple(sorted(MODEL_CHECK_FILENAMES))
+
+
+def model_references(
+    config: MergeConfiguration, groups: list[Group]
+) -> Iterator[tuple[str, ModelReference]]:
+    """Each model the merge reads (once), with the key that names it."""
+    found: list[tuple[str, ModelReference]] = []
+    if config.base_model is not None:
+        found.append(("base_model", config.base_model))
+    for group in groups:
+        found += [(f"{s.label}.model", s.model) for s in group.sources]
+    seen: set[ModelReference] = set()
+    for role, reference in found:
+        if reference not in seen:
+            seen.add(reference)
+            yield role, reference
+
+
+def check_reference(
+    reference: ModelReference, role: str, cache_dir: str | None
+) -> None:
+    check_location(reference.model, role, cache_dir, model=True)
+    if reference.lora is not None:
+        check_location(reference.lora, f"{role} (LoRA)", cache_dir, model=False)
+
+
+def check_location(
+    location: ModelPath, role: str, cache_dir: str | None, *, model: bool
+) -> None:
+    """A local model directory, or a hub id mergekit can fetch."""
+    path = location.path
+    if os.path.isdir(path):
+        if model:
+            _check_model_directory(path, role)
+        return
+    if os.path.exists(path):
+        raise RAMInputError(
+            f"{role}: {path} is a file; mergekit needs the model's directory "
+            "(config.json and its weights)."
+        )
+    if not _is_repo_id(path):
+        raise RAMInputError(
+            f"{role}: {path} does not exist{_relative_to(path)}. Fix the path, "
+            "or create the model there first."
+        )
+    if not constants.HF_HUB_OFFLINE:
+        return  # mergekit downloads it; the network is not ours to try here
+    snapshot = _cached_snapshot(location, role, cache_dir)
+    if model:
+        # mergekit 0.1.5 lists a hub repository's files online before it
+        # reads a cached copy of its weights.
+        raise RAMInputError(
+            f"{role}: {location} is a hub id, found in the local Hugging Face "
+            "cache, but mergekit 0.1.5 asks the hub for its file list before "
+            "loading weights, which HF_HUB_OFFLINE=1 forbids. Write the cached "
+            f"snapshot's directory instead: {snapshot}"
+        )
+
+
+def _check_model_directory(path: str, role: str) -> None:
+    names = set(os.listdir(path))
+    if not names.intersection(WEIGHT_FILES):
+        adapter = (
+            f" It holds a LoRA adapter: write the model as BASE+{path}."
+            if "adapter_config.json" in names
+            else ""
+        )
+        raise RAMInputError(
+            f"{role}: {path} has no weights mergekit can load; it looks for "
+            f"{', '.join(WEIGHT_FILES)}. Point {role} at the directory "
+            f"save_pretrained wrote the model to.{adapter}"
+        )
+    if "config.json" not in names:
+        raise RAMInputError(
+            f"{role}: {path} has no config.json, which mergekit reads the "
+            "architecture from. Copy it from the model this one was "
+            "fine-tuned from, or save the model with save_pretrained."
+        )
+
+
+def _cached_snapshot(location: ModelPath, role: str, cache_dir: str | None) -> str:
+    """The cached snapshot of a hub id; offline, there is no other source."""
+    try:
+        return huggingface_hub.snapshot_download(
+            location.path,
+            revision=location.revision,
+            cache_dir=cache_dir,
+            local_files_only=True,
+        )
+    except LocalEntryNotFoundError as error:
+        raise RAMInputError(
+            f"{role}: {location} is not a local directory"
+            f"{_relative_to(location.path)}, and not in the local Hugging Face "
+            "cache either; with HF_HUB_OFFLINE=1 it cannot be downloaded. Fix "
+            "the path, or download the model while online."
+        ) from error
+
+
+def _is_repo_id(path: str) -> bool:
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _relative_to(path: str) -> str:
+    if os.path.isabs(path):
+        return ""
+    return f" (relative paths start from the current directory, {os.getcwd()})"

@@ -1,0 +1,122 @@
+"""The statistics pass over a planned mergekit merge (global RAM+ λ).
+
+`collect_planned` streams over the groups a planned merge will compute, so
+the global RAM+ scale sees exactly what the merge sees while only about one
+tensor group is resident at a time. The planner hook and `mergekit-ram
+analyze` both count through `count_planned`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from mergekit.graph import Executor
+
+from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.counting import OverlapStatistics, group_tensors
+from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+
+
+def _count_task(
+    stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
+) -> None:
+    """Check one planned merge task's gathered inputs, then count them."""
+    name = task.output_weight.name
+    group = group_tensors(
+        tensors,
+        task.base_model,
+        task.model_order,
+        device,
+        name=name,
+        vocabulary_axis=task.output_weight.vocabulary_axis,
+    )
+    if group is None:
+        return
+    base, inputs = group
+    nonfinite = task.parameters.get("nonfinite", "refuse")
+    stats.add(name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite))
+
+
+def collect_planned(
+    planned: Sequence[Any],
+    *,
+    epsilon: float,
+    device: str | None,
+    storage_device: str | None,
+    quiet: bool,
+    desc: str = "RAM+ statistics",
+) -> OverlapStatistics:
+    """Stream over the gathered inputs of planned merge tasks and count them.
+
+    `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
+    (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
+    executor, one group at a time, and each group is dropped once counted.
+    Every group is checked on the way (shapes, NaN/Inf under the task's
+    `nonfinite` rule), so bad inputs fail here, before the merge writes
+    anything.
+    """
+    started = time.perf_counter()
+    by_input: dict[Any, list[Any]] = {}
+    for task in planned:
+        by_input.setdefault(task.gather_tensors, []).append(task)
+    stats = OverlapStatistics(epsilon=epsilon)
+    math_device = torch.device(device or "cpu")
+    executor = Executor(
+        targets=list(by_input),
+        math_device=math_device,
+        storage_device=torch.device(storage_device or "cpu"),
+    )
+    for gather, tensors in executor.run(quiet=quiet, desc=desc):
+        for task in by_input[gather]:
+            _count_task(stats, task, tensors, math_device)
+        del tensors
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
+    """Each task model's `unique_scale`, which must be one value per model."""
+    found: dict[Any, tuple] = {}
+    for task in merges:
+        for model, params in task.input_parameters.items():
+            if model == base:
+                continue
+            value = params.get("unique_scale")
+            seen = found.setdefault(model, (value, task.output_weight.name))
+            if seen[0] != value:
+                raise unique_scale_error(
+                    model,
+                    f"is {seen[0]!r} for tensor {seen[1]} but {value!r} for "
+                    f"{task.output_weight.name}",
+                )
+    return {model: value for model, (value, _) in found.items()}
+
+
+def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
+    """The merge's scalar settings and each task model's explicit unique_scale."""
+    settings = MergeSettings.from_parameters(
+        (task.output_weight.name, task.parameters) for task in merges
+    )
+    return settings, explicit_scales(merges, merges[0].base_model)
+
+
+def count_planned(
+    merges: list[Any],
+    settings: MergeSettings,
+    explicit: dict[Any, Any],
+    options: Any,
+    desc: str = "RAM+ statistics",
+) -> tuple[OverlapStatistics, dict[Any, float]]:
+    """Run the statistics engine over planned tasks; λ per model, explicit first."""
+    stats = collect_planned(
+        merges,
+        epsilon=settings.epsilon,
+        device=options.device,
+        storage_device=options.device if options.low_cpu_memory else "cpu",
+        quiet=options.quiet,
+        desc=desc,
+    )
+    return stats, stats.scales(settings.rule, explicit)

@@ -1,0 +1,34 @@
+"""The one table renderer: plain text for terminals, Markdown for files."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def percent(part: float, whole: float, digits: int = 2) -> str:
+    """`part` as a percentage of `whole`, or a dash when `whole` is 0."""
+    return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
+
+
+def text_table(headers: Sequence[Any], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """Aligned columns: the first left-justified, the others right-justified."""
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+
+    def line(cells: Sequence[Any]) -> str:
+        first, *rest = [str(c) for c in cells]
+        return "  ".join(
+            [first.ljust(widths[0])] + [c.rjust(w) for c, w in zip(rest, widths[1:])]
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return [line(headers), rule] + [line(r) for r in rows]
+
+
+def markdown_table(headers: Sequence[Any], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A GitHub-flavoured Markdown table, `|` in cells escaped."""
+
+    def line(cells: Sequence[Any]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+
+    return [line(headers), "|" + "---|" * len(headers)] + [line(r) for r in rows]
