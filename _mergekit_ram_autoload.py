@@ -1,18 +1,20 @@
 """Start-up hook that makes `merge_method: ram/ramplus` work in plain mergekit.
 
-Run from mergekit_ram_autoload.pth at interpreter start. Standard library only
-and nothing imported until mergekit itself is: a meta-path finder waits for
-mergekit's method registry, planner and merge modules to finish loading, then
-hands over to mergekit_ram.install. It never raises; MERGEKIT_RAM_AUTOLOAD=0
-switches it off.
+Run from mergekit_ram_autoload.pth at interpreter start, which passes in what
+to call ("module:function"). Standard library only and nothing imported until
+mergekit itself is: a meta-path finder waits for mergekit's method registry,
+planner and merge modules to finish loading, then calls that function with
+eager=False. It never raises; MERGEKIT_RAM_AUTOLOAD=0 switches it off.
 """
 
+import importlib
 import os
 import sys
 
 WATCHED = ("mergekit.merge_methods", "mergekit.plan", "mergekit.merge")
 _loading = set()
 _warned = []
+_installer = []  # "module:function", set by activate()
 
 
 def loading(name):
@@ -31,12 +33,11 @@ def enabled():
 
 
 def _loaded(name):
-    if not enabled():
+    if not enabled() or not _installer:
         return
     try:
-        from mergekit_ram.install import install
-
-        install(eager=False)
+        module, _, function = _installer[0].partition(":")
+        getattr(importlib.import_module(module), function)(eager=False)
     except Exception as error:  # a start-up hook must never break mergekit
         if not _warned:
             _warned.append(error)
@@ -87,12 +88,11 @@ class _Finder:
         return None
 
 
-def activate():
+def activate(installer):
+    """Call `installer` ("module:function") when mergekit is imported."""
     try:
+        _installer[:] = [installer]
         if enabled() and not any(isinstance(f, _Finder) for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
     except Exception:
         pass
-
-
-activate()

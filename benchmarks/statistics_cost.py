@@ -27,7 +27,7 @@ from mergekit.options import MergeOptions  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
 import mergekit_ram  # noqa: E402,F401
-from mergekit_ram.synthetic import PAPER_LIKE, build_models  # noqa: E402
+from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models  # noqa: E402
 
 MODES = {
     "ram": ("ram", {}),

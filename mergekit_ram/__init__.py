@@ -1,23 +1,34 @@
 """RAM and RAM+ (Reinforced Agent Merging) for mergekit.
 
-Importing this package registers `ram` and `ramplus` with mergekit. The
-Python API mirrors mergekit's: run_merge, merge_tensors, merge_state_dicts.
+Importing this package makes `ram` and `ramplus` available to mergekit
+without importing mergekit itself: when mergekit is already loaded they are
+installed at once, otherwise the start-up hook installs them as soon as
+mergekit is imported. The Python API mirrors mergekit's: run_merge,
+merge_tensors, merge_state_dicts.
 """
 
+import sys
+
 import _mergekit_ram_autoload as _autoload
-from mergekit_ram.install import install
+from mergekit_ram.integration.install import install
 
 __version__ = "0.1.0"
 __all__ = ["install", "merge_state_dicts", "merge_tensors", "run_merge"]
 
-# Imported from the autoload hook while mergekit is half-loaded, finish later.
-install(eager=not _autoload.busy())
+_INSTALLER = "mergekit_ram.integration.install:install"
+_API = ("merge_state_dicts", "merge_tensors", "run_merge")
 
 
 def __getattr__(name: str):
-    # Lazy: mergekit.merge may still be importing when the hook imports us.
-    if name in ("merge_state_dicts", "merge_tensors", "run_merge"):
-        from mergekit_ram import api
+    # Lazy: the API imports mergekit, which this package must not do itself.
+    if name in _API:
+        from mergekit_ram.commands import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'mergekit_ram' has no attribute {name!r}")
+
+
+_autoload.activate(_INSTALLER)
+if "mergekit" in sys.modules:
+    # Imported from the autoload hook while mergekit is half-loaded: finish later.
+    install(eager=not _autoload.busy())

@@ -3,7 +3,7 @@
 They differ from mergekit's own in making global RAM+ work: the in-memory
 functions count the whole input before merging and pass λ as `unique_scale`;
 `run_merge` keeps the caller's configuration and recipe intact (the planner
-hook does the counting, mergekit_ram.output the staging). For `ram` /
+hook does the counting, the run_merge wrapper the staging). For `ram` /
 `ramplus` the in-memory functions also check every tensor group's layout
 first and take integer / bool buffers from the base model.
 """
@@ -20,11 +20,11 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import MergeMethod, PerGroupValues
 from mergekit.options import MergeOptions
 
-from mergekit_ram.inputs import finite_inputs
-from mergekit_ram.install import install
-from mergekit_ram.method import RAMMerge
-from mergekit_ram.settings import SCALAR_KEYS, MergeSettings, one_value_error
-from mergekit_ram.statistics import OverlapStatistics, group_tensors
+from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.counting import OverlapStatistics, group_tensors
+from mergekit_ram.core.settings import SCALAR_KEYS, MergeSettings, one_value_error
+from mergekit_ram.integration.install import install
+from mergekit_ram.integration.methods import RAMMerge
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
 
@@ -40,7 +40,7 @@ def run_merge(
     mergekit rewrites the configuration it is given while planning; this works
     on a deep copy and records the caller's recipe in mergekit_config.yml. A
     RAM / RAM+ configuration is validated first (RAMInputError), before any
-    weight is read, by the run_merge wrapper of mergekit_ram.output.
+    weight is read, by the run_merge wrapper (integration.publishing).
     """
     install()
     if config_source is None:

@@ -15,30 +15,28 @@ import os
 import tempfile
 import time
 
-import mergekit_ram  # noqa: F401  (registers ram/ramplus even without autoload)
-from mergekit_ram.report import STATISTICS_FILE, percent
-from mergekit_ram.synthetic import PAPER_LIKE, build_models, merge_yaml
+from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
+from mergekit_ram.integration.install import install
+from mergekit_ram.integration.results import STATISTICS_FILE
+from mergekit_ram.integration.tables import percent, text_table
 
 
 def _table(document: dict, names: dict) -> str:
-    columns = ("changed", "unique", "shared")
-    header = f"{'agent':<12} " + " ".join(f"{c:>9}" for c in columns)
-    header += f" {'rho':>7} {'λ':>7}"
-    rows = [header, "-" * len(header)]
+    rows = []
     for task in document["tasks"]:
         changed = task["changed"]
-        shares = (
-            percent(changed, task["elements"], 1),
-            percent(task["unique"], changed, 1),
-            percent(task["shared"], changed, 1),
-        )
-        rho = "inf" if task["rho"] is None else f"{task['rho']:.3f}"
         rows.append(
-            f"{names[task['model']]:<12} "
-            + " ".join(f"{s:>9}" for s in shares)
-            + f" {rho:>7} {task['scale']:>7.4f}"
+            [
+                names[task["model"]],
+                percent(changed, task["elements"], 1),
+                percent(task["unique"], changed, 1),
+                percent(task["shared"], changed, 1),
+                "inf" if task["rho"] is None else f"{task['rho']:.3f}",
+                f"{task['scale']:.4f}",
+            ]
         )
-    return "\n".join(rows)
+    headers = ["agent", "changed", "unique", "shared", "rho", "λ"]
+    return "\n".join(text_table(headers, rows))
 
 
 def _check_loads(path: str) -> str:
@@ -57,6 +55,7 @@ def _check_loads(path: str) -> str:
 
 def run_demo(out_dir: str | None = None) -> str:
     """Build, merge and report; returns the merged model's directory."""
+    install()  # ram/ramplus even where the autoload hook is off
     from mergekit.scripts.run_yaml import main as mergekit_yaml
     from transformers.utils import logging as transformers_logging
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -11,12 +12,27 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from pydantic import ValidationError
 
-from mergekit_ram.errors import RAMInputError
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.errors import ClickInputError
+from mergekit_ram.integration.install import install
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Our commands, with a RAMInputError printed as `Error: ...` (exit 2)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ClickInputError:
+            raise
+        except RAMInputError as error:
+            raise ClickInputError(str(error)) from error
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """RAM and RAM+ (Reinforced Agent Merging) for mergekit."""
+    install()
 
 
 def _load(config_file: str) -> tuple[MergeConfiguration, str]:
@@ -94,7 +110,8 @@ def _shown(value: Any) -> str:
 
 
 def _emit(report: dict, out_dir: str | None) -> None:
-    from mergekit_ram.analyze import render_text, write_report
+    from mergekit_ram.commands.render import render_text
+    from mergekit_ram.commands.report_files import write_report
 
     click.echo(render_text(report), nl=False)
     if out_dir is not None:
@@ -120,7 +137,7 @@ def merge(
     report_dir: str | None,
 ) -> None:
     """Merge as mergekit-yaml does, with whole-model RAM+ statistics."""
-    from mergekit_ram.api import run_merge
+    from mergekit_ram.commands.api import run_merge
 
     merge_options.apply_global_options()
     config, source = _load(config_file)
@@ -128,7 +145,8 @@ def merge(
         run_merge(config, out_path, options=merge_options, config_source=source)
         return
 
-    from mergekit_ram.analyze import build_report, merge_with_analysis
+    from mergekit_ram.commands.analysis import merge_with_analysis
+    from mergekit_ram.commands.report import build_report
 
     analysis = merge_with_analysis(
         config, out_path, merge_options, source, echo=click.echo
@@ -171,8 +189,9 @@ def analyze(
     CONFIG_FILE is the YAML a merge would use (any merge_method; only the
     models and the base model matter).
     """
-    from mergekit_ram.analyze import analyze_config, build_report, parse_r_values
-    from mergekit_ram.validation import validate_analysis
+    from mergekit_ram.commands.analysis import analyze_config
+    from mergekit_ram.commands.report import build_report
+    from mergekit_ram.integration.validation import validate_analysis
 
     sweep = None
     if r_values is not None:
@@ -198,6 +217,22 @@ def analyze(
 @click.option("--out", "out_dir", default=None, help="Keep the demo models here.")
 def demo(out_dir: str | None) -> None:
     """Build three toy RL-like agents, merge them with RAM+ and explain it."""
-    from mergekit_ram.demo import run_demo
+    from mergekit_ram.commands.demo import run_demo
 
     run_demo(out_dir)
+
+
+def parse_r_values(text: str) -> list[float]:
+    """'0,0.05,0.1' → [0.0, 0.05, 0.1]; every value finite and ≥ 0."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        value = float(part)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"r must be a finite number ≥ 0, got {part!r}")
+        values.append(value)
+    if not values:
+        raise ValueError("no r value given")
+    return values

@@ -1,0 +1,1 @@
+"""What users call: the Python API, the `mergekit-ram` CLI, analysis and demo."""

@@ -1,0 +1,167 @@
+"""`mergekit-ram analyze`: the statistics of a configuration's task vectors.
+
+The analysis plans the configuration exactly as a merge would (mergekit's
+MergePlanner, without our RAM+ hook so nothing is counted twice) and runs the
+one statistics engine (integration.statistics_pass) over the planned groups:
+every tensor group is read once, counted, and dropped. The report
+(commands.report) is derived from the resulting OverlapStatistics alone, so
+`mergekit-ram merge --report` can build the very same report from the
+statistics its merge already computed.
+
+Settings. For `ram` / `ramplus` configurations epsilon, r, alpha, saturation
+and statistics are resolved as the merge resolves them (`ram` means r = 0:
+every λ is 1, and the report then adds an r sweep at the paper's r = 0.1).
+For any other merge method only the models and the base matter and the paper
+defaults are used (epsilon 1e-5, r 0.1, alpha 2, clip, global). `--epsilon`
+overrides epsilon in both cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.integration.context import merge_run
+from mergekit_ram.integration.install import install
+from mergekit_ram.integration.methods import is_ours
+from mergekit_ram.integration.statistics_pass import count_planned, planned_settings
+
+PAPER_R = 0.1
+PAPER_DEFAULTS = MergeSettings(
+    epsilon=1e-5, r=PAPER_R, alpha=2.0, saturation="clip", statistics="global"
+)
+
+
+@dataclass
+class Analysis:
+    """What one statistics pass yields, with the settings it was made for."""
+
+    method: str
+    base_model: str | None
+    settings: MergeSettings
+    stats: OverlapStatistics
+    scales: dict[Hashable, float]
+
+    @classmethod
+    def from_merge(cls, config: Any, result: tuple) -> Analysis:
+        """From the (settings, statistics, scales) a RAM+ merge computed."""
+        settings, stats, scales = result
+        base = config.base_model
+        return cls(
+            config.merge_method,
+            None if base is None else str(base),
+            settings,
+            stats,
+            dict(scales),
+        )
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan_merges(config: Any, options: Any) -> list[Any]:
+    """The merge tasks a merge of `config` would run (config is not modified).
+
+    As mergekit.merge.run_merge plans, but through the planner's original
+    `_plan`, so the RAM+ hook does not run its own statistics pass. A
+    configuration of another merge method is planned as `ramplus` with no
+    global parameters: the same tensors, inputs and gather tasks.
+    """
+    from mergekit.architecture import get_architecture_info
+    from mergekit.io.tasks import LoaderCache
+    from mergekit.merge import _model_out_config
+    from mergekit.plan import MergePlanner
+    from tqdm import tqdm
+
+    install()
+    config = config.model_copy(deep=True)
+    if not is_ours(config.merge_method):
+        # Only the models and the base matter: plan as RAM+ so that another
+        # method's required parameters (weight, density, ...) are not needed
+        # and its own parameters (DELLA's epsilon, ...) are not read as ours.
+        config.merge_method = "ramplus"
+        config.parameters = None
+    if not config.models and not config.slices and not config.modules:
+        raise ValueError("the configuration has no models")
+    arch_info = get_architecture_info(config, options)
+    loader_cache = LoaderCache()
+    loader_cache.setup(options=options)
+    out_config = _model_out_config(
+        config, arch_info, trust_remote_code=options.trust_remote_code
+    )
+    for model in tqdm(
+        config.referenced_models(), desc="Warmup loader cache", disable=options.quiet
+    ):
+        loader_cache.get(model)
+    planner = MergePlanner(
+        config, arch_info, options=options, out_model_config=out_config
+    )
+    plan = getattr(MergePlanner._plan, "__mergekit_ram__", MergePlanner._plan)
+    plan(planner)
+    return [task for _, task in planner._tensors]
+
+
+def resolve_settings(
+    method: str, merges: Sequence[Any], epsilon: float | None
+) -> tuple[MergeSettings, dict[Hashable, float | None]]:
+    """Settings and explicit unique_scale per model, as the merge would use them."""
+    if is_ours(method):
+        settings, explicit = planned_settings(list(merges))
+    else:
+        settings, explicit = PAPER_DEFAULTS, {}
+    if epsilon is not None:
+        settings = dataclasses.replace(settings, epsilon=float(epsilon))
+    return settings, explicit
+
+
+def analyze_config(
+    config: Any, options: Any, *, epsilon: float | None = None
+) -> Analysis:
+    """Plan `config` and run the statistics engine once over its tensors."""
+    merges = plan_merges(config, options)
+    if not merges:
+        raise ValueError("the configuration plans no tensors")
+    base = merges[0].base_model
+    if base is None:
+        raise ValueError(
+            "analyze needs a base_model: task vectors are measured from it"
+        )
+    settings, explicit = resolve_settings(config.merge_method, merges, epsilon)
+    stats, scales = count_planned(
+        merges, settings, explicit, options, desc="Analyzing task vectors"
+    )
+    reference = config.base_model if config.base_model is not None else base
+    return Analysis(config.merge_method, str(reference), settings, stats, scales)
+
+
+def merge_with_analysis(
+    config: Any,
+    out_path: str,
+    options: Any,
+    config_source: str,
+    echo: Callable[[str], None] = print,
+) -> Analysis:
+    """Merge, and return the analysis of its inputs without a second pass.
+
+    A merge that ran the statistics pass hands its counts over; one that
+    needed none (RAM, tensor scope, explicit λ, another method) is analysed
+    with one more read of the models, and `echo` says which happened.
+    """
+    from mergekit_ram.commands.api import run_merge
+
+    with merge_run() as run:
+        run_merge(config, out_path, options=options, config_source=config_source)
+    result = run.result
+    if result is not None:
+        echo("Report from the statistics this merge computed (no extra pass).")
+        return Analysis.from_merge(config, result)
+    echo(
+        "This merge needed no whole-model statistics pass (RAM with r = 0, "
+        "statistics: tensor, explicit unique_scale or another method); "
+        "reading the models once more for the report."
+    )
+    return analyze_config(config, options)

@@ -1,0 +1,241 @@
+"""The analysis report as text (terminal) and Markdown (report.md)."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mergekit_ram.commands.analysis import PAPER_R
+from mergekit_ram.integration.methods import is_ours
+from mergekit_ram.integration.tables import markdown_table, percent, text_table
+
+REPORT_JSON = "report.json"
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}"
+
+
+def _rho(value: float | None) -> str:
+    return "inf" if value is None else f"{value:.4f}"
+
+
+def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list]]:
+    """(title, notes, headers, rows) for each table of the report."""
+    tasks = report["tasks"]
+    label = {t["model"]: t["label"] for t in tasks}
+    names = [t["label"] for t in tasks]
+    n = len(tasks)
+    out = []
+
+    rows = []
+    for t in tasks:
+        local = t["scale_tensor_local"]
+        spread = (
+            "–"
+            if local["min"] is None
+            else f"{local['unique_weighted_mean']:.4f} "
+            f"[{local['min']:.4f}, {local['max']:.4f}]"
+        )
+        rows.append(
+            [
+                t["label"],
+                percent(t["changed"], t["elements"]),
+                f"{t['changed']:,}",
+                f"{t['unique']:,}",
+                f"{t['shared']:,}",
+                percent(t["unique"], t["changed"], 1),
+                _rho(t["rho"]),
+                _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else ""),
+                spread,
+            ]
+        )
+    scope = report["statistics"]
+    out.append(
+        (
+            "Per task",
+            [
+                "changed % = share of all parameters; unique % = share of the "
+                "task's changes no other task makes; rho = shared / unique.",
+                "λ global = whole-model statistics (the paper; statistics: "
+                "global); λ tensor-local = per-tensor statistics (statistics: "
+                "tensor), mean over the task's unique elements [min, max over "
+                f"tensors]. This configuration uses the {scope} one.",
+            ],
+            [
+                "task",
+                "changed %",
+                "changed",
+                "unique",
+                "shared",
+                "unique %",
+                "rho",
+                "λ global",
+                "λ tensor-local",
+            ],
+            rows,
+        )
+    )
+
+    headers = ["task"] + ["k=0 (unique)" if k == 0 else f"k={k}" for k in range(n)]
+    rows = []
+    for t in tasks:
+        hist = list(t["overlap_histogram"]) + [0] * (n - len(t["overlap_histogram"]))
+        rows.append(
+            [t["label"]] + [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist[:n]]
+        )
+    out.append(
+        (
+            "k-way overlap",
+            [
+                "Each task's changed elements by how many other tasks change "
+                "them too (share of the task's changes)."
+            ],
+            headers,
+            rows,
+        )
+    )
+
+    pair = report["pairwise"]
+    rows = [
+        [label[a]] + [f"{v:.4f}" for v in pair["jaccard"][s]]
+        for s, a in enumerate(pair["models"])
+    ]
+    out.append(
+        (
+            "Pairwise overlap (Jaccard)",
+            ["|m_s ∧ m_t| / |m_s ∨ m_t| of the change masks."],
+            [""] + names,
+            rows,
+        )
+    )
+
+    def cells(entry):
+        by_model = {x["model"]: x for x in entry["tasks"]}
+        values = []
+        for t in tasks:
+            x = by_model.get(t["model"])
+            if x is None:
+                values.append("–")
+            else:
+                values.append(
+                    f"{percent(x['changed'], entry['elements'])} "
+                    f"({percent(x['unique'], x['changed'], 0)} unique)"
+                )
+        return values
+
+    rows = [
+        [e["module"], str(e["tensors"]), f"{e['elements']:,}"] + cells(e)
+        for e in report["per_module"]
+    ]
+    out.append(
+        (
+            "Per module",
+            [
+                "Share of the module's parameters each task changes (and the "
+                "unique share of those changes)."
+            ],
+            ["module", "tensors", "elements"] + names,
+            rows,
+        )
+    )
+
+    rows = []
+    for e in report["per_layer"]:
+        by_model = {x["model"]: x for x in e["tasks"]}
+        rows.append(
+            [str(e["layer"]), f"{e['elements']:,}"]
+            + [
+                percent(by_model[t["model"]]["changed"], e["elements"])
+                if t["model"] in by_model
+                else "–"
+                for t in tasks
+            ]
+        )
+    if rows:
+        out.append(
+            (
+                "Per layer",
+                ["Share of each layer's parameters the task changes."],
+                ["layer", "elements"] + names,
+                rows,
+            )
+        )
+
+    if report["sweep"]:
+        rows = [
+            [f"{s['r']:g}"]
+            + [
+                f"{s['scale'][t['model']]:.4f} / "
+                f"{_num(s['scale_tensor_local'][t['model']])}"
+                for t in tasks
+            ]
+            for s in report["sweep"]
+        ]
+        notes = [
+            f"λ per task for each r (alpha = {report['alpha']:g}, "
+            f"{report['saturation']} rule): global / tensor-local "
+            "(mean over unique elements)."
+        ]
+        if report["r"] == 0:
+            notes.append(
+                "r = 0 in this configuration (RAM: every λ is 1); the sweep "
+                f"shows RAM+ at the paper's r = {PAPER_R:g}. Try --r 0,0.05,0.1,0.2."
+            )
+        out.append(("λ sweep over r", notes, ["r"] + names, rows))
+    return out
+
+
+def _header(report: Mapping[str, Any]) -> list[str]:
+    lines = [
+        f"Task vectors of {len(report['tasks'])} task model(s) against "
+        f"{report['base_model']} ({report['method']} configuration)",
+        f"{report['num_tensors']} tensors, {report['num_elements']:,} elements; "
+        f"epsilon = {report['epsilon']:g}; λ rule: r = {report['r']:g}, "
+        f"alpha = {report['alpha']:g}, {report['saturation']}, "
+        f"{report['statistics']} statistics",
+    ]
+    if not is_ours(report["method"]):
+        lines.append(
+            "Not a ram/ramplus configuration: λ uses the paper's RAM+ defaults."
+        )
+    return lines
+
+
+def render_text(report: Mapping[str, Any]) -> str:
+    """The terminal report."""
+    lines = _header(report)
+    for title, notes, headers, rows in sections(report):
+        lines += ["", title + ":"]
+        lines += text_table(headers, rows)
+        lines += [wrapped for note in notes for wrapped in textwrap.wrap(note, 100)]
+    labels = {t["model"]: t["label"] for t in report["tasks"]}
+    if any(k != v for k, v in labels.items()):
+        lines += ["", "Models:"] + [f"  {v} = {k}" for k, v in labels.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(
+    report: Mapping[str, Any], figures: Sequence[str] = (), note: str | None = None
+) -> str:
+    """report.md: the same tables, with the figures."""
+    lines = ["# mergekit-ram analysis", ""]
+    lines += [line + "  " for line in _header(report)]
+    for title, notes, headers, rows in sections(report):
+        lines += ["", f"## {title}", ""]
+        lines += markdown_table(headers, rows)
+        for line in notes:
+            lines += ["", line]
+    lines += ["", "## Models", ""]
+    lines += [f"- {t['label']}: `{t['model']}`" for t in report["tasks"]]
+    if figures or note:
+        lines += ["", "## Figures", ""]
+        lines += [f"![{os.path.splitext(f)[0]}]({f})" for f in figures]
+        if note:
+            lines.append(note)
+    lines += ["", f"Data: `{REPORT_JSON}` (schema_version {report['schema_version']})."]
+    return "\n".join(lines) + "\n"

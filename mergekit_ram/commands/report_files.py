@@ -1,0 +1,41 @@
+"""Writing an analysis report: report.json, the figures and report.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from mergekit_ram.commands import figures
+from mergekit_ram.commands.render import REPORT_JSON, render_markdown
+
+REPORT_MD = "report.md"
+
+
+def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
+    """Write report.json, the figures and report.md; returns (paths, message)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, REPORT_JSON)]
+    with open(paths[0], "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=2)
+        handle.write("\n")
+    note = None
+    if figures.available():
+        names = figures.write_figures(report, out_dir)
+    else:
+        names = []
+        note = (
+            "Figures skipped: matplotlib is not installed. Install the plots "
+            f"extra to get them: {figures.INSTALL_HINT}"
+        )
+    md = os.path.join(out_dir, REPORT_MD)
+    with open(md, "w", encoding="utf-8") as handle:
+        handle.write(render_markdown(report, names, note))
+    paths += [md] + [os.path.join(out_dir, name) for name in names]
+    message = f"Report written to {out_dir}: " + ", ".join(
+        os.path.basename(p) for p in paths
+    )
+    if note:
+        message += "\n" + note
+    return paths, message
