@@ -1,6 +1,6 @@
 """Every input mergekit-ram refuses, and the README table of their messages.
 
-One list of cases feeds both tests/test_validation.py (each case must exit 2
+One list of cases feeds both tests/test_integration_validation.py (each must exit 2
 with a message that names the key or model and the fix, and no traceback)
 and the "Errors you may see" table in README.md, which shows the messages
 `mergekit-ram` actually printed, so the two cannot drift. After changing a
@@ -34,7 +34,7 @@ from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 from mergekit.io.tasks import LoaderCache
 from safetensors.torch import load_file, save_file
 
-from mergekit_ram.cli import main
+from mergekit_ram.commands.cli import main
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN = "<!-- rejected-inputs:begin -->"

@@ -22,9 +22,10 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 import mergekit_ram
-from mergekit_ram.method import RAMMerge
+from mergekit_ram.integration.methods import RAMMerge
 
 BIN = Path(sys.executable).parent
+OURS = "mergekit_ram.integration.methods.RAMMerge"
 TIMEOUT = 300
 
 
@@ -213,8 +214,8 @@ def test_autoload_off_leaves_stock_mergekit(launched):
 def test_import_orders_end_registered_and_patched(launched, order):
     state = launched.json(order)
     for when in ("first", "final"):
-        assert state[when]["ram"] == "mergekit_ram.method.RAMMerge", when
-        assert state[when]["ramplus"] == "mergekit_ram.method.RAMMerge", when
+        assert state[when]["ram"] == OURS, when
+        assert state[when]["ramplus"] == OURS, when
     assert state["final"]["planner"] is True
     assert state["final"]["card"] is True
     if order != "merge_methods":
@@ -225,8 +226,8 @@ def test_import_orders_end_registered_and_patched(launched, order):
 def test_merge_methods_alone_registers_both(launched):
     """`import mergekit.merge_methods` and nothing else registers the methods."""
     state = launched.json("merge_methods")["first"]
-    assert state["ram"] == "mergekit_ram.method.RAMMerge"
-    assert state["ramplus"] == "mergekit_ram.method.RAMMerge"
+    assert state["ram"] == OURS
+    assert state["ramplus"] == OURS
 
 
 def test_hook_is_lazy():

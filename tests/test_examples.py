@@ -9,7 +9,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 import mergekit_ram
-from mergekit_ram.synthetic import build_models
+from mergekit_ram.commands.synthetic import build_models
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "example_configs"
 

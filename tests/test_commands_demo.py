@@ -8,9 +8,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from mergekit_ram.cli import main
-from mergekit_ram.demo import run_demo
-from mergekit_ram.synthetic import PAPER_LIKE
+from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.demo import run_demo
+from mergekit_ram.commands.synthetic import PAPER_LIKE
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
 
 import mergekit_ram
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.install import (
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.install import (
     SUPPORTED,
     IncompatibleMergekit,
     install,
@@ -24,7 +24,12 @@ from mergekit_ram.install import (
     patch_planner,
     register_methods,
 )
-from mergekit_ram.method import GlobalStatisticsMissing, RAMMerge, ram, ramplus
+from mergekit_ram.integration.methods import (
+    GlobalStatisticsMissing,
+    RAMMerge,
+    ram,
+    ramplus,
+)
 
 STOCK = stock_ram.ram_merge
 CASES = [

@@ -1,6 +1,6 @@
 """`mergekit-ram analyze` and `merge --report` against the dense reference.
 
-The models are tiny Llama checkpoints built with mergekit_ram.synthetic
+The models are tiny Llama checkpoints built with mergekit_ram.commands.synthetic
 (bf16, sparse agents with overlapping supports). Every count in the report is
 recomputed densely by tests/reference.py from the saved safetensors.
 """
@@ -21,12 +21,14 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-import mergekit_ram.planning
-import mergekit_ram.statistics
-from mergekit_ram import analyze
-from mergekit_ram.cli import main
-from mergekit_ram.statistics import OverlapStatistics
-from mergekit_ram.synthetic import AgentSpec, build_models, merge_yaml
+import mergekit_ram.integration.statistics_pass
+from mergekit_ram.commands.analysis import PAPER_R, analyze_config
+from mergekit_ram.commands.cli import main, parse_r_values
+from mergekit_ram.commands.render import REPORT_JSON
+from mergekit_ram.commands.report import SCHEMA_VERSION
+from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
+from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.core.naming import MODULES, layer_of, module_of
 
 EPSILON = 1e-5
 AGENTS = (
@@ -125,7 +127,7 @@ def analyzed(models, tmp_path_factory):
     config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
     out = tmp_path_factory.mktemp("analyze-out")
     output = invoke("analyze", config, "--out", out, "--quiet", "--r", "0,0.05,0.1,0.2")
-    return config, out, output, read(out / analyze.REPORT_JSON)
+    return config, out, output, read(out / REPORT_JSON)
 
 
 def test_counts_equal_dense_reference(analyzed, dense):
@@ -246,7 +248,7 @@ def test_report_json_schema(analyzed, models, tmp_path):
     assert list(report) == list(TOP_KEYS)
     for key, types in TOP_KEYS.items():
         check_type(report[key], types, key)
-    assert report["schema_version"] == analyze.SCHEMA_VERSION == 1
+    assert report["schema_version"] == SCHEMA_VERSION == 1
     n = len(report["tasks"])
     for task in report["tasks"]:
         assert set(task) == set(TASK_KEYS)
@@ -266,7 +268,7 @@ def test_report_json_schema(analyzed, models, tmp_path):
             for row in entry["tasks"]:
                 assert set(row) == {"model", "changed", "shared", "unique"}
                 assert all(type(row[k]) is int for k in ("changed", "shared", "unique"))
-    assert {e["module"] for e in report["per_module"]} <= set(analyze.MODULES)
+    assert {e["module"] for e in report["per_module"]} <= set(MODULES)
     for entry in report["sweep"]:
         assert set(entry) == {"r", "scale", "scale_tensor_local"}
         assert set(entry["scale"]) == {t["model"] for t in report["tasks"]}
@@ -312,7 +314,7 @@ def test_cli_output_and_files(analyzed):
 
 
 def analyze_figures():
-    from mergekit_ram.figures import FIGURES
+    from mergekit_ram.commands.figures import FIGURES
 
     return list(FIGURES)
 
@@ -375,14 +377,15 @@ def test_epsilon_override_is_monotone(models, dense):
 def pass_counter(monkeypatch):
     """Counts calls of the statistics engine's collect_planned, wherever imported."""
     calls = []
-    original = mergekit_ram.statistics.collect_planned
+    original = mergekit_ram.integration.statistics_pass.collect_planned
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("desc"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(mergekit_ram.statistics, "collect_planned", counting)
-    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", counting)
+    monkeypatch.setattr(
+        mergekit_ram.integration.statistics_pass, "collect_planned", counting
+    )
     return calls
 
 
@@ -422,7 +425,7 @@ def test_merge_report_without_a_pass_analyzes_once(models, tmp_path, pass_counte
     report = read(tmp_path / "rep" / "report.json")
     assert report["r"] == 0 and all(t["scale"] == 1.0 for t in report["tasks"])
     # RAM: the report adds the paper's RAM+ r so the user sees the λ it would give.
-    assert [s["r"] for s in report["sweep"]] == [analyze.PAPER_R]
+    assert [s["r"] for s in report["sweep"]] == [PAPER_R]
     invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
     assert without_timing(report) == without_timing(
         read(tmp_path / "ana" / "report.json")
@@ -474,7 +477,7 @@ def test_analyze_does_not_modify_the_config(models):
         yaml.safe_load(merge_yaml(paths, "ramplus"))
     )
     before = config.model_dump()
-    result = analyze.analyze_config(config, MergeOptions(quiet=True), epsilon=1e-4)
+    result = analyze_config(config, MergeOptions(quiet=True), epsilon=1e-4)
     assert config.model_dump() == before
     assert result.settings.epsilon == 1e-4 and result.stats.epsilon == 1e-4
 
@@ -543,13 +546,13 @@ def test_engine_intersections_equal_reference():
     ],
 )
 def test_module_and_layer_of_names(name, module, layer):
-    assert analyze.module_of(name) == module
-    assert analyze.layer_of(name) == layer
+    assert module_of(name) == module
+    assert layer_of(name) == layer
 
 
 def test_parse_r_values():
-    assert analyze.parse_r_values("0, 0.05,0.1,0.2") == [0.0, 0.05, 0.1, 0.2]
+    assert parse_r_values("0, 0.05,0.1,0.2") == [0.0, 0.05, 0.1, 0.2]
     for bad in ("-1", "nan", "inf", "", "x"):
         with pytest.raises(ValueError):
-            analyze.parse_r_values(bad)
-    assert math.isclose(analyze.parse_r_values("1e-1")[0], 0.1)
+            parse_r_values(bad)
+    assert math.isclose(parse_r_values("1e-1")[0], 0.1)

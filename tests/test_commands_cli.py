@@ -13,7 +13,7 @@ from conftest import read_json
 from mergekit.options import add_merge_options
 from safetensors.torch import load_file
 
-from mergekit_ram.cli import main
+from mergekit_ram.commands.cli import main
 
 
 def mergekit_option_names() -> list[str]:

@@ -19,7 +19,7 @@ from tensors import (
 )
 
 import mergekit_ram
-from mergekit_ram.method import GlobalStatisticsMissing
+from mergekit_ram.integration.methods import GlobalStatisticsMissing
 
 TASK_IDS = ["coder", "tool", "memory"]
 # Overlap differs from tensor to tensor, so whole-model λ ≠ per-tensor λ.
@@ -471,7 +471,7 @@ def test_base_required(model_set):
 
 
 def test_method_object_accepted_and_mergekit_path_still_refuses(model_set):
-    from mergekit_ram.method import ramplus
+    from mergekit_ram.integration.methods import ramplus
 
     base, tasks = model_set
     models, base_id, _ = ordered(base, tasks)

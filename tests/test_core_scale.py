@@ -1,4 +1,4 @@
-"""ScaleRule: the RAM+ λ formulas and their edge cases (RAM_SPEC.md, "RAM+ scale")."""
+"""ScaleRule: the RAM+ λ formulas and their edge cases (docs/spec.md, "RAM+ scale")."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import reference
 
-from mergekit_ram.scale import ScaleRule
+from mergekit_ram.core.scale import ScaleRule
 
 COUNTS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (5, 2), (3, 7), (1000, 1)]
 RULES = [

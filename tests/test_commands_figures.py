@@ -9,9 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from mergekit_ram import figures
-from mergekit_ram.analyze import PAPER_DEFAULTS, Analysis, build_report, write_report
-from mergekit_ram.statistics import OverlapStatistics
+from mergekit_ram.commands import figures
+from mergekit_ram.commands.analysis import PAPER_DEFAULTS, Analysis
+from mergekit_ram.commands.report import build_report
+from mergekit_ram.commands.report_files import write_report
+from mergekit_ram.core.counting import OverlapStatistics
 
 pytest.importorskip("matplotlib")
 

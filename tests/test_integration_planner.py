@@ -1,7 +1,7 @@
 """Global RAM+ end to end through mergekit's planner (mergekit_ram.run_merge).
 
 Every merge here is compared with tests/reference.py, the dense reference of
-RAM_SPEC.md, applied to the whole model: float32 checkpoints must match it
+docs/spec.md, applied to the whole model: float32 checkpoints must match it
 bit for bit, bf16 checkpoints must match the float32 reference of the bf16
 inputs rounded once to bf16.
 """
@@ -20,8 +20,8 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
 import mergekit_ram
-import mergekit_ram.planning
-from mergekit_ram.method import ramplus
+import mergekit_ram.integration.statistics_pass
+from mergekit_ram.integration.methods import ramplus
 
 STATISTICS_FILE = "ram_statistics.json"
 
@@ -309,7 +309,9 @@ def _no_pass(monkeypatch):
         calls.append(args)
         raise AssertionError("the statistics pass ran")
 
-    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", refuse)
+    monkeypatch.setattr(
+        mergekit_ram.integration.statistics_pass, "collect_planned", refuse
+    )
     return calls
 
 
@@ -402,13 +404,15 @@ def test_partial_unique_scale_counts_the_rest(family_f32, tmp_path):
 
 def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypatch):
     passes = []
-    original = mergekit_ram.planning.collect_planned
+    original = mergekit_ram.integration.statistics_pass.collect_planned
 
     def counted(*args, **kwargs):
         passes.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(mergekit_ram.planning, "collect_planned", counted)
+    monkeypatch.setattr(
+        mergekit_ram.integration.statistics_pass, "collect_planned", counted
+    )
     family = family_f32
     text = family.yaml("ramplus")
     config = MergeConfiguration.model_validate(yaml.safe_load(text))

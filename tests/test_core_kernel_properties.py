@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the RAM kernel, the counts and the λ rule.
 
-Every property is a statement of RAM_SPEC.md checked on generated inputs, not a
+Every property is a statement of docs/spec.md checked on generated inputs, not a
 comparison with another implementation. Two kinds of merge case are drawn:
 
 - grid cases: every value is an integer or half-integer multiple of a power of
@@ -31,9 +31,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergekit_ram.kernel import overlap_counts, ram_merge_tensor, task_histogram
-from mergekit_ram.scale import ScaleRule
-from mergekit_ram.statistics import OverlapStatistics, tensor_overlaps
+from mergekit_ram.core.counting import OverlapStatistics, tensor_overlaps
+from mergekit_ram.core.kernel import overlap_counts, ram_merge_tensor, task_histogram
+from mergekit_ram.core.scale import ScaleRule
 
 settings.register_profile(
     "ram-ci", derandomize=True, database=None, deadline=None, max_examples=60

@@ -29,10 +29,10 @@ from rejected_inputs import (
 )
 
 import mergekit_ram
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.settings import MergeSettings
-from mergekit_ram.synthetic import build_models
-from mergekit_ram.validation import validate_analysis, validate_config
+from mergekit_ram.commands.synthetic import build_models
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.integration.validation import validate_analysis, validate_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "example_configs"
 BIN = Path(sys.executable).parent

@@ -9,15 +9,15 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.inputs import finite_inputs
-from mergekit_ram.scale import ScaleRule
-from mergekit_ram.statistics import (
+from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.counting import (
     OverlapStatistics,
     TaskCounts,
     group_tensors,
     tensor_overlaps,
 )
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.scale import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
 PROFILES = {
@@ -193,7 +193,7 @@ def test_inputs_not_modified():
         assert all(torch.equal(t[k], old[k]) for k in t)
 
 
-# --- checks on the way in (mergekit_ram.inputs) ------------------------------
+# --- checks on the way in (mergekit_ram.core.checks) ------------------------------
 
 
 def test_group_tensors_checks_layout_and_skips_buffers():

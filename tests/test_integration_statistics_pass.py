@@ -2,8 +2,8 @@
 
 Two families share their largest tensor (and every tensor shape) but differ
 eight-fold in depth. In a fresh interpreter each runs mergekit's planner with
-the real hook; the statistics pass (mergekit_ram.planning.collect_planned) is
-wrapped to sample the process's anonymous resident memory while it runs.
+the real hook; the statistics pass (integration.statistics_pass.collect_planned)
+is wrapped to sample the process's anonymous resident memory while it runs.
 
 Why anonymous memory: safetensors hands out tensors that are views of the
 memory-mapped checkpoint, so touched file pages count towards RSS (and
@@ -34,7 +34,7 @@ from mergekit.merge import _model_out_config
 from mergekit.options import MergeOptions
 from mergekit.plan import MergePlanner
 
-import mergekit_ram.planning as planning
+import mergekit_ram.integration.statistics_pass as planning
 
 
 def anon_kib():

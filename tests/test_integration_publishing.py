@@ -32,13 +32,13 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file, save_file
 
 import mergekit_ram
-import mergekit_ram.method
-import mergekit_ram.output
-from mergekit_ram.cli import main
-from mergekit_ram.errors import RAMInputError
-from mergekit_ram.install import patch_run_merge
-from mergekit_ram.output import STAGING, WEIGHTS, guarded_run_merge
-from mergekit_ram.planning import RAMMergeTask
+import mergekit_ram.integration.methods
+import mergekit_ram.integration.publishing
+from mergekit_ram.commands.cli import main
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.install import patch_run_merge
+from mergekit_ram.integration.planner import RAMMergeTask
+from mergekit_ram.integration.publishing import STAGING, WEIGHTS, guarded_run_merge
 
 BIN = Path(sys.executable).parent
 LATE = "model.layers.1.mlp.down_proj.weight"
@@ -82,13 +82,13 @@ def merge(config: dict, out: Path, **options) -> Path:
 
 def count_kernel_calls(monkeypatch) -> list:
     calls: list = []
-    real = mergekit_ram.method.ram_merge_tensor
+    real = mergekit_ram.integration.methods.ram_merge_tensor
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mergekit_ram.method, "ram_merge_tensor", counted)
+    monkeypatch.setattr(mergekit_ram.integration.methods, "ram_merge_tensor", counted)
     return calls
 
 
@@ -565,13 +565,13 @@ def _raise_on_call(monkeypatch, module, name, error, when) -> None:
 FAILURES = {
     # mid-merge, after several shards were written
     "kernel error": (
-        mergekit_ram.method,
+        mergekit_ram.integration.methods,
         "ram_merge_tensor",
         RuntimeError("boom"),
         lambda n, *a: n == 12,
     ),
     "Ctrl-C": (
-        mergekit_ram.method,
+        mergekit_ram.integration.methods,
         "ram_merge_tensor",
         KeyboardInterrupt(),
         lambda n, *a: n == 12,
@@ -585,7 +585,7 @@ FAILURES = {
     ),
     # while publishing, after the shards and the other markers were moved up
     "publish error": (
-        mergekit_ram.output.os,
+        mergekit_ram.integration.publishing.os,
         "replace",
         OSError("disk full"),
         lambda n, src, dst: dst.endswith("config.json"),
@@ -611,8 +611,8 @@ def test_failed_rerun_leaves_nothing_complete(
 
 DRIVER = """
 import os, sys, time
-import mergekit_ram.method as method
-import mergekit_ram.output as output
+import mergekit_ram.integration.methods as method
+import mergekit_ram.integration.publishing as output
 
 stage, config, out = sys.argv[1:4]
 
@@ -735,7 +735,7 @@ def test_configuration_is_validated_before_anything_is_touched(
     def refuse(config, options):
         raise RAMInputError("bad config")
 
-    monkeypatch.setattr(mergekit_ram.output, "validate_config", refuse)
+    monkeypatch.setattr(mergekit_ram.integration.publishing, "validate_config", refuse)
     out = tmp_path / "out"
     complete_previous(fresh, out)
     before = hashes(out)
