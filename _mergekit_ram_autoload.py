@@ -32,8 +32,21 @@ def enabled():
     return value not in ("0", "false", "no", "off")
 
 
+def _ours_importing():
+    """Whether one of our modules is mid-import (it imported mergekit itself).
+
+    Installing then would need that half-made module; the next watched
+    module, or the entry point, installs instead.
+    """
+    return any(
+        getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+        if name.startswith("mergekit_ram.")
+    )
+
+
 def _loaded(name):
-    if not enabled() or not _installer:
+    if not enabled() or not _installer or _ours_importing():
         return
     try:
         module, _, function = _installer[0].partition(":")

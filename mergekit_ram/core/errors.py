@@ -11,5 +11,8 @@ class RAMInputError(ValueError):
     no traceback): mergekit_ram.integration.errors.
     """
 
+    exit_code = 2  # what the command-line tools exit with on it
+
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+        self.message = " ".join(message.split())  # one paragraph
+        super().__init__(self.message)

@@ -35,8 +35,12 @@ def _no_bool(value: Any) -> Any:
 
 # The one definition of a valid numeric RAM parameter; configuration checks
 # (integration.parameter_schema) reformat its errors.
+# Finiteness is checked before the sign, so NaN is reported as NaN.
 NonNegative = Annotated[
-    float, BeforeValidator(_no_bool), Field(ge=0, allow_inf_nan=False)
+    float,
+    BeforeValidator(_no_bool),
+    Field(allow_inf_nan=False),
+    Field(ge=0),
 ]
 
 PARAMETER_HELP = {

@@ -17,13 +17,20 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
-from mergekit.scripts.multimerge import MODEL_CHECK_FILENAMES
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.config_groups import Group
 
 # What mergekit's ShardedTensorIndex.from_disk looks for in a model directory.
-WEIGHT_FILES = tuple(sorted(MODEL_CHECK_FILENAMES))
+# (mergekit's own list lives in a script module, mergekit.scripts.multimerge,
+# whose import loads mergekit.merge: from here that would re-enter the
+# autoload install while this package is half-imported.)
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def model_references(
