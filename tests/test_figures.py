@@ -7,13 +7,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mergekit_ram import figures
 from mergekit_ram.analyze import PAPER_DEFAULTS, Analysis, build_report, write_report
 from mergekit_ram.statistics import OverlapStatistics
 
-pytest.importorskip("matplotlib")
+PLOTS = "the figures need the plots extra: pip install 'mergekit-ram[plots]'"
+pytest.importorskip("matplotlib", reason=PLOTS)
+Image = pytest.importorskip("PIL.Image", reason=PLOTS)
 
 EPSILON = 1e-5
 VIRIDIS_FIRST = (68, 1, 84)  # overlap k = 0 (unique) segments
