@@ -1,4 +1,4 @@
-"""The RAM merge rule for one tensor (RAM_SPEC.md, "Merge rule").
+"""The RAM merge rule for one tensor (docs/spec.md, "Merge rule").
 
 Everything is computed in float32 whatever the stored dtype, helper tensors live
 on the inputs' device, inputs are never written, and task vectors are recomputed

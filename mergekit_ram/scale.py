@@ -1,4 +1,4 @@
-"""The RAM+ scale λ_t from a task's overlap counts (RAM_SPEC.md, "RAM+ scale").
+"""The RAM+ scale λ_t from a task's overlap counts (docs/spec.md, "RAM+ scale").
 
 One rule for both statistics scopes: the global pass feeds it whole-model
 totals, the kernel feeds it one tensor's counts. It never divides by zero.

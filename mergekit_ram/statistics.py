@@ -1,4 +1,4 @@
-"""Overlap statistics: C, S, U and the k-way histogram per task (RAM_SPEC.md).
+"""Overlap statistics: C, S, U and the k-way histogram per task (docs/spec.md).
 
 The one place they are counted. `tensor_overlaps` counts one tensor group;
 `OverlapStatistics` adds groups up per task, in total and per output tensor;

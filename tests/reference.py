@@ -1,4 +1,4 @@
-"""A dense, obviously-correct RAM / RAM+ written from RAM_SPEC.md alone.
+"""A dense, obviously-correct RAM / RAM+ written from docs/spec.md alone.
 
 It shares no code with mergekit_ram: whole tensors are stacked, counts are
 taken over the whole model at once, λ follows the spec's formulas literally.

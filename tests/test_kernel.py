@@ -1,4 +1,4 @@
-"""mergekit_ram.kernel.ram_merge_tensor against the dense reference (RAM_SPEC.md)."""
+"""mergekit_ram.kernel.ram_merge_tensor against the dense reference (docs/spec.md)."""
 
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def test_single_task_keeps_its_changes():
     assert torch.equal(out, expected)
 
 
-# RAM_SPEC.md, "Worked example".
+# docs/spec.md, "Worked example".
 TAU = [
     [0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0],
     [0, 0.4, 0.4, 0, 0, -0.1, 0, 0],

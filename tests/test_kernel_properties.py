@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis) of the RAM kernel, the counts and the λ rule.
 
-Every property is a statement of RAM_SPEC.md checked on generated inputs, not a
+Every property is a statement of docs/spec.md checked on generated inputs, not a
 comparison with another implementation. Two kinds of merge case are drawn:
 
 - grid cases: every value is an integer or half-integer multiple of a power of

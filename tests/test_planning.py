@@ -1,7 +1,7 @@
 """Global RAM+ end to end through mergekit's planner (mergekit_ram.run_merge).
 
 Every merge here is compared with tests/reference.py, the dense reference of
-RAM_SPEC.md, applied to the whole model: float32 checkpoints must match it
+docs/spec.md, applied to the whole model: float32 checkpoints must match it
 bit for bit, bf16 checkpoints must match the float32 reference of the bf16
 inputs rounded once to bf16.
 """

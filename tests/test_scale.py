@@ -1,4 +1,4 @@
-"""ScaleRule: the RAM+ λ formulas and their edge cases (RAM_SPEC.md, "RAM+ scale")."""
+"""ScaleRule: the RAM+ λ formulas and their edge cases (docs/spec.md, "RAM+ scale")."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tasks import TASKS
 
-# Qwen2.5-7B agents in the paper (RAM_SPEC.md): % of parameters changed, and %
+# Qwen2.5-7B agents in the paper (docs/spec.md): % of parameters changed, and %
 # of each agent's changes that are unique; coding, tool use, memory order.
 PAPER_PROBE = {"math": (3.2, 6.3), "tool": (46.2, 40.8), "recall": (54.3, 47.5)}
 
