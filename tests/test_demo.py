@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -71,4 +72,19 @@ def test_cli_demo_without_out_removes_its_folder(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert "Whole-model statistics" in result.output
     assert f"Removed {tmp_path}" in result.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_demo_without_out_removes_its_folder_on_error(monkeypatch, tmp_path):
+    def fail(root=None):
+        # Like run_demo: a temporary folder of its own when given none.
+        root = root or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
+        with open(os.path.join(root, "partial"), "w") as handle:
+            handle.write("half a demo")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr("mergekit_ram.demo.run_demo", fail)
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code != 0
     assert os.listdir(tmp_path) == []
