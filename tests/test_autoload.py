@@ -157,6 +157,7 @@ def launched(cli_family, tmp_path_factory):
     runs.close()
 
 
+@pytest.mark.slow
 def test_plain_mergekit_yaml_runs_ramplus(launched):
     code, _, err = launched.result("mergekit-yaml")
     assert code == 0, err
@@ -170,6 +171,7 @@ def test_plain_mergekit_yaml_runs_ramplus(launched):
     assert written == launched.config.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_three_entry_points_byte_identical(launched, tmp_path):
     for tool in ("mergekit-yaml", "mergekit-ram"):
         code, _, err = launched.result(tool)
@@ -202,6 +204,7 @@ def test_three_entry_points_byte_identical(launched, tmp_path):
     assert counts(launched.root / "mergekit-ram") == python_counts
 
 
+@pytest.mark.slow
 def test_autoload_off_leaves_stock_mergekit(launched):
     state = launched.json("off")
     assert state["ramplus"].startswith("RuntimeError")
@@ -210,6 +213,7 @@ def test_autoload_off_leaves_stock_mergekit(launched):
     assert state["mergekit_ram_imported"] is False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_import_orders_end_registered_and_patched(launched, order):
     state = launched.json(order)
@@ -223,6 +227,7 @@ def test_import_orders_end_registered_and_patched(launched, order):
         assert state["first"]["planner"] is True
 
 
+@pytest.mark.slow
 def test_merge_methods_alone_registers_both(launched):
     """`import mergekit.merge_methods` and nothing else registers the methods."""
     state = launched.json("merge_methods")["first"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 import pytest
 import torch
@@ -63,3 +64,27 @@ def test_run_demo_in_a_temporary_directory(capsys, monkeypatch, tmp_path):
     assert merged.startswith(str(tmp_path))
     assert os.path.exists(os.path.join(merged, "config.json"))
     assert "Whole-model statistics" in capsys.readouterr().out
+
+
+def test_cli_demo_without_out_removes_its_folder(monkeypatch, tmp_path):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 0, result.output
+    assert "Whole-model statistics" in result.output
+    assert f"Removed {tmp_path}" in result.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_demo_without_out_removes_its_folder_on_error(monkeypatch, tmp_path):
+    def fail(root=None):
+        # Like run_demo: a temporary folder of its own when given none.
+        root = root or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
+        with open(os.path.join(root, "partial"), "w") as handle:
+            handle.write("half a demo")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr("mergekit_ram.commands.demo.run_demo", fail)
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code != 0
+    assert os.listdir(tmp_path) == []

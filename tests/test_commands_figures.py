@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from mergekit_ram.commands import figures
 from mergekit_ram.commands.analysis import PAPER_DEFAULTS, Analysis
@@ -15,7 +14,9 @@ from mergekit_ram.commands.report import build_report
 from mergekit_ram.commands.report_files import write_report
 from mergekit_ram.core.counting import OverlapStatistics
 
-pytest.importorskip("matplotlib")
+PLOTS = "the figures need the plots extra: pip install 'mergekit-ram[plots]'"
+pytest.importorskip("matplotlib", reason=PLOTS)
+Image = pytest.importorskip("PIL.Image", reason=PLOTS)
 
 EPSILON = 1e-5
 VIRIDIS_FIRST = (68, 1, 84)  # overlap k = 0 (unique) segments

@@ -5,19 +5,25 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
+from safetensors.torch import load_file
 
 import mergekit_ram
-from mergekit_ram.commands.synthetic import build_models
+from mergekit_ram.commands.cli import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "example_configs"
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
+    """A folder after the documented step, `mergekit-ram demo --out .`."""
     root = tmp_path_factory.mktemp("examples")
-    build_models(str(root / "models"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(root)
+        result = CliRunner().invoke(main, ["demo", "--out", "."])
+    assert result.exit_code == 0, result.output
     return root
 
 
@@ -69,3 +75,21 @@ def test_global_examples_use_their_rule(name, r, cap, workdir, monkeypatch):
     for task in document["tasks"]:
         rho = task["shared"] / task["unique"]
         assert task["scale"] == pytest.approx(1 + r * min(rho, cap), rel=1e-12)
+
+
+def test_explicit_scales_are_the_global_merges_exactly(workdir, monkeypatch):
+    """The scales written in the example are ramplus.yml's, copied exactly, so
+    the explicit merge writes the same weights without a statistics pass."""
+    computed = merge_example("ramplus.yml", workdir, monkeypatch)
+    merge_example("ramplus_explicit_scale.yml", workdir, monkeypatch)
+    example = yaml.safe_load((EXAMPLES / "ramplus_explicit_scale.yml").read_text())
+    written = [m["parameters"]["unique_scale"] for m in example["models"]]
+    assert written == [task["scale"] for task in computed["tasks"]]
+    global_ = load_file(workdir / "out-ramplus.yml" / "model.safetensors")
+    explicit = load_file(
+        workdir / "out-ramplus_explicit_scale.yml" / "model.safetensors"
+    )
+    assert global_.keys() == explicit.keys()
+    for name, tensor in global_.items():
+        assert explicit[name].dtype == tensor.dtype, name
+        assert explicit[name].equal(tensor), name

@@ -649,6 +649,7 @@ main([config, out, "--out-shard-size", "16000", "--quiet"])
 """
 
 
+@pytest.mark.slow
 def test_killed_merge_looks_incomplete_and_reruns(family, fresh, tmp_path):
     """SIGKILL mid-merge (shards written) and mid-publish (shards moved up)."""
     driver = tmp_path / "driver.py"

@@ -17,12 +17,15 @@ size (4 bytes per element per model).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import TaskSpec
+from conftest import TaskSpec, build_family
+
+pytestmark = pytest.mark.slow
 
 MEASURE = r"""
 import gc, json, sys, threading, time
@@ -100,15 +103,23 @@ DEPTHS = (4, 32)
 
 
 @pytest.fixture(scope="module")
-def measurements(model_family, tmp_path_factory):
+def measurements(tmp_path_factory):
+    """Both measurements; their checkpoints (about 220 MB) removed afterwards."""
     root = tmp_path_factory.mktemp("memory")
+    try:
+        yield _measure(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(root):
     procs = {}
     families = {}
     # Each measurement starts as soon as its family is written.
     for layers in DEPTHS:
-        family = model_family(
-            f"memory-{layers}",
-            tasks=TASKS,
+        family = build_family(
+            root / f"family-{layers}",
+            TASKS,
             layers=layers,
             dtype=torch.bfloat16,
             tokenizer=False,

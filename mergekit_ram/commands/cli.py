@@ -216,10 +216,21 @@ def analyze(
 @main.command("demo")
 @click.option("--out", "out_dir", default=None, help="Keep the demo models here.")
 def demo(out_dir: str | None) -> None:
-    """Build three toy RL-like agents, merge them with RAM+ and explain it."""
+    """Build three toy RL-like agents, merge them with RAM+ and explain it.
+
+    Without --out everything goes to a temporary folder, removed at the end
+    (also on error or Ctrl-C): a demo should not leave files behind.
+    """
+    import tempfile
+
     from mergekit_ram.commands.demo import run_demo
 
-    run_demo(out_dir)
+    if out_dir is not None:
+        run_demo(out_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="mergekit-ram-demo-") as root:
+        run_demo(root)
+    click.echo(f"Removed {root} (use --out DIR to keep the models and the merge).")
 
 
 def parse_r_values(text: str) -> list[float]:
