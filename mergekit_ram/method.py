@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -19,11 +22,15 @@ from mergekit.merge_methods.base import (
 from pydantic import Field
 
 from mergekit_ram.inputs import finite_inputs
-from mergekit_ram.kernel import ram_merge_tensor
+from mergekit_ram.kernel import UniqueFn, ram_merge_tensor
 from mergekit_ram.scale import ScaleRule
+from mergekit_ram.survival import SurvivalTally, survivors
+from mergekit_ram.ties import ties_merge_tensor
+from mergekit_ram.unique import unique_merge_tensor
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 PARAMETER_HELP = {
     "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
@@ -33,7 +40,43 @@ PARAMETER_HELP = {
     "statistics": "global (whole model, the paper) or tensor (per tensor)",
     "unique_scale": "explicit λ for this task model; skips its statistics",
     "nonfinite": "refuse NaN/Inf inputs, or ignore them (keep the base there)",
+    "shared": "shared elements: mean (RAM), ties (the authors' arm-ties) or "
+    "base (unique elements only, their arm-unique)",
+    "density": "with shared: ties, the fraction of each task's shared "
+    "elements TIES keeps (largest |τ|)",
 }
+
+# The survival tally of the merge running on this thread (planning.RAMMergeTask).
+_TALLY: ContextVar[SurvivalTally | None] = ContextVar("ram_tally", default=None)
+
+
+@contextmanager
+def tallying(tally: SurvivalTally | None) -> Iterator[None]:
+    """Count λ's survival into `tally` for merges run inside the block."""
+    token = _TALLY.set(tally)
+    try:
+        yield
+    finally:
+        _TALLY.reset(token)
+
+
+def _survival_counter(
+    tally: SurvivalTally | None, ids: Sequence[Hashable], written: torch.dtype
+) -> UniqueFn | None:
+    """The kernel's on_unique hook adding to `tally` (None: nothing to count)."""
+    if tally is None:
+        return None
+    name = str(written).removeprefix("torch.")
+
+    def count(index, base32, tau, rescaled, scale) -> None:
+        if scale == 1.0:
+            return
+        total = int(torch.count_nonzero(rescaled))
+        if total:
+            changed = survivors(base32, tau, rescaled, scale, written)
+            tally.add(ids[index], total, changed, name)
+
+    return count
 
 
 class GlobalStatisticsMissing(RuntimeError):
@@ -46,6 +89,18 @@ class RAMMerge(GroupMergeMethod):
 
     spec: MergeMethodSpec
 
+    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
+        """mergekit casts a method's result to out_dtype after merge_group; the
+        kernel gets it instead, so the float32 result is rounded only once."""
+        parameters = [{**p, "out_dtype": out_dtype} for p in parameters]
+        return super()._execute(
+            groups,
+            parameters,
+            options,
+            input_dtypes=input_dtypes,
+            out_dtype=out_dtype,
+        )
+
     def merge_group(
         self,
         group: TensorGroup,
@@ -57,7 +112,10 @@ class RAMMerge(GroupMergeMethod):
         saturation: str,
         statistics: str,
         nonfinite: str,
+        shared: str,
+        density: float,
         unique_scale: PerInputValues[float | None],
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         if group.base is None:
             raise ValueError(f"{self.spec.name} needs a base model")
@@ -65,6 +123,7 @@ class RAMMerge(GroupMergeMethod):
         if not base.is_floating_point():
             # Integer and bool buffers have no task vector: the base's, as is.
             return base.clone()
+        written = out_dtype or base.dtype
         tasks = group.non_base
         rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
         scales = []
@@ -92,14 +151,23 @@ class RAMMerge(GroupMergeMethod):
             {entry.id: entry.tensor for entry in tasks},
             nonfinite,
         )
-        return ram_merge_tensor(
+        kernel, extra = {
+            "mean": (ram_merge_tensor, {}),
+            "ties": (ties_merge_tensor, {"density": density}),
+            "base": (unique_merge_tensor, {}),
+        }[shared]
+        ids = [entry.id for entry in tasks]
+        return kernel(
             base,
-            [inputs[entry.id] for entry in tasks],
+            [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
             scale_fn=lambda _index, hist: rule.scale(
                 int(hist.sum() - hist[0]), int(hist[0])
             ),
+            out_dtype=written,
+            on_unique=_survival_counter(_TALLY.get(), ids, written),
+            **extra,
         )
 
 
@@ -122,6 +190,8 @@ def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
             shared("saturation", Literal["clip", "soft"], "clip"),
             shared("statistics", Literal["global", "tensor"], "global"),
             shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
+            shared("shared", Literal["mean", "ties", "base"], "mean"),
+            shared("density", Fraction, 0.1),
             ParameterSpec(
                 "unique_scale",
                 NonNegative | None,

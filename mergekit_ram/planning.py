@@ -17,7 +17,9 @@ merge's statistics that way instead of a second pass).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,17 +31,23 @@ from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from mergekit.plan import MergePlanner
 
 from mergekit_ram.inputs import check_layout
-from mergekit_ram.method import is_ours
+from mergekit_ram.method import is_ours, tallying
 from mergekit_ram.output import destination
-from mergekit_ram.report import STATISTICS_FILE, statistics_document
+from mergekit_ram.report import STATISTICS_FILE, statistics_document, with_survival
 from mergekit_ram.settings import MergeSettings, unique_scale_error
 from mergekit_ram.statistics import collect_planned
+from mergekit_ram.survival import SurvivalTally
+
+LOG = logging.getLogger("mergekit_ram")
 
 # Statistics of finished plans, for the model card (keyed by config identity).
 PENDING_CARDS: dict[int, tuple] = {}
 
 # Plans someone is waiting for (capture_result), keyed by absolute out_path.
 _CAPTURED: dict[str, list] = {}
+
+# Survival tallies of planned merges that rescale, until their merge finished.
+_TALLIES: dict[str, SurvivalTally] = {}
 
 
 @contextmanager
@@ -67,8 +75,12 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     A non-float base tensor (an integer or bool buffer) is passed through as
     the base has it, even where a task model's differs (mergekit would
     refuse); mismatched shapes fail with a RAMInputError naming the models
-    and, for a vocabulary axis, pointing to tokenizer_source.
+    and, for a vocabulary axis, pointing to tokenizer_source. Its
+    out_dtype is the dtype the tensor is written in, and `tally` names the
+    SurvivalTally its λ survival is counted into.
     """
+
+    tally: str | None = None
 
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
         base = tensors.get(self.base_model)
@@ -77,30 +89,41 @@ class RAMMergeTask(ExecuteMergeMethodTask):
                 return base
             weight = self.output_weight
             check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
-        return super().execute(tensors, **kwargs)
+        with tallying(_TALLIES.get(self.tally) if self.tally else None):
+            return super().execute(tensors, **kwargs)
 
 
-def as_ram_task(task: ExecuteMergeMethodTask) -> RAMMergeTask:
-    """The same planned merge as a RAMMergeTask."""
+def as_ram_task(
+    task: ExecuteMergeMethodTask, out_dtype: str | None, tally: str | None
+) -> RAMMergeTask:
+    """The same planned merge as a RAMMergeTask writing `out_dtype`."""
     fields = type(task).model_fields
-    return RAMMergeTask(**{name: getattr(task, name) for name in fields})
+    values = {name: getattr(task, name) for name in fields}
+    return RAMMergeTask(**{**values, "out_dtype": out_dtype, "tally": tally})
 
 
 class WriteStatistics(Task[None]):
-    """Write ram_statistics.json after the weights are finalized."""
+    """After the weights are finalized: write ram_statistics.json (with λ's
+    survival) and say in one line when the rescale was mostly lost."""
 
     out_path: str
-    document: str
+    document: str | None
+    tally: str
     finalize: FinalizeModel
 
     def arguments(self) -> dict[str, Task]:
         return {"finalize": self.finalize}
 
     def execute(self, **_kwargs: Any) -> None:
-        with open(
-            os.path.join(self.out_path, STATISTICS_FILE), "w", encoding="utf-8"
-        ) as handle:
-            handle.write(self.document)
+        tally = _TALLIES.pop(self.tally, SurvivalTally())
+        if self.document is not None:
+            document = with_survival(json.loads(self.document), tally)
+            with open(
+                os.path.join(self.out_path, STATISTICS_FILE), "w", encoding="utf-8"
+            ) as handle:
+                json.dump(document, handle, indent=2)
+        if tally.lost():
+            LOG.warning(tally.warning())
 
     def main_thread_only(self) -> bool:
         return True
@@ -184,15 +207,41 @@ def with_scales(task: Any, scales: dict[Any, float]) -> Any:
     return task.model_copy(update={"input_parameters": params})
 
 
+def rescales(merges: list[Any]) -> bool:
+    """Whether some planned merge may scale unique elements by λ ≠ 1."""
+    for task in merges:
+        if task.parameters.get("r", 0) > 0:
+            return True
+        for params in task.input_parameters.values():
+            if params.get("unique_scale") not in (None, 1.0):
+                return True
+    return False
+
+
 def patched_plan(original):
     def _plan(self: MergePlanner) -> None:
         original(self)
         self._ram_result = None
+        self._ram_tally = None
         if is_ours(self.config.merge_method):
-            self._tensors = [(w, as_ram_task(t)) for w, t in self._tensors]
+            if rescales([t for _, t in self._tensors]):
+                self._ram_tally = uuid.uuid4().hex
+                _TALLIES[self._ram_tally] = SurvivalTally()
+            self._tensors = [
+                (
+                    w,
+                    as_ram_task(
+                        t, w.force_dtype or self.config.out_dtype, self._ram_tally
+                    ),
+                )
+                for w, t in self._tensors
+            ]
             self._ram_result = scale_planned(self)
             if self._ram_result is not None and self.options.write_model_card:
-                PENDING_CARDS[id(self.config)] = (self.config, self._ram_result)
+                PENDING_CARDS[id(self.config)] = (
+                    self.config,
+                    (*self._ram_result, _TALLIES[self._ram_tally]),
+                )
 
     _plan.__mergekit_ram__ = original
     return _plan
@@ -205,12 +254,15 @@ def patched_plan_to_disk(original):
         slot = _CAPTURED.get(destination(out_path))
         if slot is not None:
             slot.append(result)
-        if result is None:
+        tally = getattr(self, "_ram_tally", None)
+        if tally is None:
             return tasks
         finalize = next(t for t in tasks if isinstance(t, FinalizeModel))
-        document = json.dumps(statistics_document(*result), indent=2)
+        document = None if result is None else json.dumps(statistics_document(*result))
         return tasks + [
-            WriteStatistics(out_path=out_path, document=document, finalize=finalize)
+            WriteStatistics(
+                out_path=out_path, document=document, tally=tally, finalize=finalize
+            )
         ]
 
     plan_to_disk.__mergekit_ram__ = original

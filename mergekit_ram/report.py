@@ -8,6 +8,7 @@ from typing import Any
 
 from mergekit_ram.settings import MergeSettings
 from mergekit_ram.statistics import OverlapStatistics
+from mergekit_ram.survival import SurvivalTally
 
 STATISTICS_FILE = "ram_statistics.json"
 
@@ -52,6 +53,19 @@ def statistics_document(
     }
 
 
+def with_survival(document: dict[str, Any], tally: SurvivalTally) -> dict[str, Any]:
+    """ram_statistics.json's content plus, per task, how many unique elements
+    were rescaled (λ ≠ 1) and how many of them still differ from RAM once
+    written (`rescale_survived`); both 0 when nothing was rescaled."""
+    counts = {str(task): entry for task, entry in tally.counts.items()}
+    for row in document["tasks"]:
+        rescaled, survived = counts.get(row["model"], (0, 0))
+        row["rescaled"] = rescaled
+        row["rescale_survived"] = survived
+    document["written_dtypes"] = sorted(tally.dtypes)
+    return document
+
+
 def percent(part: float, whole: float, digits: int = 2) -> str:
     """`part` as a percentage of `whole`, or a dash when `whole` is 0."""
     return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
@@ -61,8 +75,13 @@ def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,
     scales: Mapping[Hashable, float],
+    survival: SurvivalTally | None = None,
 ) -> str:
-    """A short model-card section with the per-agent table."""
+    """A short model-card section with the per-agent table.
+
+    With a survival tally, a column says which share of each task's rescaled
+    unique elements the rescale still changes in the written model.
+    """
     lines = [
         "",
         "### RAM+ statistics",
@@ -74,15 +93,19 @@ def card_section(
         "[mergekit-ram](https://pypi.org/project/mergekit-ram/). "
         f"Full counts are in `{STATISTICS_FILE}`.",
         "",
-        "| model | changed | unique | shared | ρ = S/U | λ |",
-        "|---|---|---|---|---|---|",
+        "| model | changed | unique | shared | ρ = S/U | λ | λ survives |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for row in task_rows(stats, scales):
+    counts = {} if survival is None else survival.counts
+    for task, row in zip(stats.tasks, task_rows(stats, scales)):
         rho = "∞" if row["rho"] is None else f"{row['rho']:.4f}"
+        rescaled, survived = counts.get(task, (0, 0))
         lines.append(
             f"| {row['model']} | {percent(row['changed'], row['elements'])} | "
             f"{percent(row['unique'], row['changed'])} | "
             f"{percent(row['shared'], row['changed'])} | {rho} | "
-            f"{row['scale']:.4f} |"
+            f"{row['scale']:.4f} | {percent(survived, rescaled, 1)} |"
         )
+    if survival is not None and survival.lost():
+        lines += ["", survival.warning()]
     return "\n".join(lines) + "\n"

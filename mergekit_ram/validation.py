@@ -358,6 +358,7 @@ def _check_parameters(groups: list[Group], method: RAMMerge) -> None:
             for value in _leaves(setting):
                 _check_value(block, spec, value)
     _check_one_value(groups, specs)
+    _check_density(groups, specs)
 
 
 def _unique_blocks(groups: list[Group]) -> Iterator[Block]:
@@ -423,12 +424,23 @@ def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
                 f"{', '.join(choices)}."
             )
         return
-    problem = _number_problem(value)
+    upper = _upper_bound(spec)
+    problem = _number_problem(value, upper)
     if problem:
+        limits = "≥ 0" if upper is None else f"between 0 and {upper:g}"
         raise RAMInputError(
             f"{block.where(spec.name)}: {value!r} {problem}; {spec.name} "
-            f"({PARAMETER_HELP[spec.name]}) must be a finite number ≥ 0."
+            f"({PARAMETER_HELP[spec.name]}) must be a finite number {limits}."
         )
+
+
+def _upper_bound(spec: ParameterSpec) -> float | None:
+    """The `le` bound of an Annotated number parameter, else None."""
+    for meta in getattr(spec.value_type, "__metadata__", ()):
+        for item in getattr(meta, "metadata", ()):
+            if hasattr(item, "le"):
+                return float(item.le)
+    return None
 
 
 def _choices(spec: ParameterSpec) -> tuple[str, ...]:
@@ -438,8 +450,8 @@ def _choices(spec: ParameterSpec) -> tuple[str, ...]:
     return ()
 
 
-def _number_problem(value: Any) -> str:
-    """Why `value` is not a finite number ≥ 0 ('' when it is)."""
+def _number_problem(value: Any, upper: float | None = None) -> str:
+    """Why `value` is not a finite number in [0, upper] ('' when it is)."""
     if isinstance(value, bool):
         return "is not a number"
     try:
@@ -450,7 +462,9 @@ def _number_problem(value: Any) -> str:
         return "is NaN"
     if math.isinf(number):
         return "is infinite"
-    return "is negative" if number < 0 else ""
+    if number < 0:
+        return "is negative"
+    return f"is above {upper:g}" if upper is not None and number > upper else ""
 
 
 def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
@@ -483,6 +497,20 @@ def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) ->
                 raise unique_scale_error(
                     source.model, f"takes the values {_listed(scales)} here"
                 )
+
+
+def _check_density(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
+    """`density` only acts with shared: ties; set without it, it is ignored."""
+    if any("ties" in _possible(specs["shared"], g.blocks) for g in groups):
+        return
+    for block in _unique_blocks(groups):
+        if "density" in block.settings:
+            raise RAMInputError(
+                f"{block.where('density')}: density only applies with shared: "
+                "ties (TIES on the shared elements), and this merge never uses "
+                "it, so it would be ignored. Add 'shared: ties' next to it, or "
+                "remove density."
+            )
 
 
 def _possible(spec: ParameterSpec, blocks: Iterable[Block]) -> set[Any]:

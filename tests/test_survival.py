@@ -1,0 +1,92 @@
+"""Does RAM+'s λ survive the output dtype? Counted by the merge, checked
+against the dense reference: RAM+ and RAM written in the same dtype, compared
+on each task's unique elements."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import reference
+import torch
+import yaml
+from conftest import read_json
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+
+import mergekit_ram
+from mergekit_ram.survival import SurvivalTally, survivors
+
+R = 0.002  # λ − 1 ≤ 0.004: lost in bf16 on most elements, never in float32
+
+
+def reference_survival(family, written):
+    base, tasks = family.state("base"), family.task_states()
+    plus, lambdas = reference.merge(base, tasks, r=R, out_dtype=written)
+    ram, _ = reference.merge(base, tasks, out_dtype=written)
+    per_tensor = reference.counts(base, tasks, 1e-5)
+    found = []
+    for t in range(len(tasks)):
+        rescaled = survived = 0
+        for name, (_tau, m, c) in per_tensor.items():
+            unique = m[t] & (c == 1)
+            rescaled += int(unique.sum())
+            survived += int((plus[name] != ram[name])[unique].sum())
+        found.append((rescaled, survived))
+    return found, lambdas
+
+
+def merge(family, out, out_dtype=None):
+    extra = {"out_dtype": out_dtype} if out_dtype else {}
+    text = family.yaml("ramplus", parameters={"r": R}, **extra)
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(yaml.safe_load(text)),
+        str(out),
+        MergeOptions(quiet=True),
+    )
+    return read_json(Path(out) / "ram_statistics.json")
+
+
+@pytest.mark.parametrize("out_dtype", [None, "float32"])
+def test_statistics_count_what_survives(out_dtype, family_bf16, tmp_path, caplog):
+    family = family_bf16
+    with caplog.at_level(logging.WARNING, logger="mergekit_ram"):
+        doc = merge(family, tmp_path / "out", out_dtype)
+    written = getattr(torch, out_dtype or "bfloat16")
+    want, lambdas = reference_survival(family, written)
+    assert all(lam > 1 for lam in lambdas)
+    rows = doc["tasks"]
+    assert [(row["rescaled"], row["rescale_survived"]) for row in rows] == want
+    assert doc["written_dtypes"] == [str(written).removeprefix("torch.")]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "λ survives" in card
+    lost = [r for r in caplog.records if "out_dtype: float32" in r.getMessage()]
+    if out_dtype is None:
+        # bf16 loses most of it, and the merge says so once, with the fix.
+        assert sum(s for _, s in want) < 0.5 * sum(n for n, _ in want)
+        assert len(lost) == 1 and "twice the size" in lost[0].getMessage()
+        assert "out_dtype: float32" in card
+    else:
+        assert want == [(n, n) for n, _ in want]
+        assert not lost
+
+
+def test_survivors_counts_rounding():
+    base32 = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    tau = torch.tensor([0.0078125, 0.0078125, 0.01, 0.5])
+    rescaled = torch.tensor([True, True, True, False])
+    # bf16 around 1: λ = 1.1 moves 1.0078125 to 1.00859375, which rounds back.
+    assert survivors(base32, tau, rescaled, 1.1, torch.bfloat16) == 1
+    assert survivors(base32, tau, rescaled, 1.1, torch.float32) == 3
+    assert survivors(base32, tau, rescaled, 1.0, torch.float32) == 0
+
+
+def test_tally_warns_only_when_mostly_lost():
+    tally = SurvivalTally()
+    tally.add("a", 10, 6, "bfloat16")
+    assert not tally.lost()
+    tally.add("b", 10, 1, "bfloat16")
+    assert tally.lost()
+    assert "7 of 20" in tally.warning() and "bfloat16" in tally.warning()
+    assert not SurvivalTally().lost()
