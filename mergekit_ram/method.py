@@ -68,7 +68,13 @@ def _survival_counter(
         return None
     name = str(written).removeprefix("torch.")
 
-    def count(index, base32, tau, rescaled, scale) -> None:
+    def count(
+        index: int,
+        base32: torch.Tensor,
+        tau: torch.Tensor,
+        rescaled: torch.Tensor,
+        scale: float,
+    ) -> None:
         if scale == 1.0:
             return
         total = int(torch.count_nonzero(rescaled))
@@ -89,7 +95,15 @@ class RAMMerge(GroupMergeMethod):
 
     spec: MergeMethodSpec
 
-    def _execute(self, groups, parameters, options, *, input_dtypes, out_dtype=None):
+    def _execute(
+        self,
+        groups: Sequence[TensorGroup],
+        parameters: list[dict[str, Any]],
+        options: Any,
+        *,
+        input_dtypes: Sequence[torch.dtype | None],
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """mergekit casts a method's result to out_dtype after merge_group; the
         kernel gets it instead, so the float32 result is rounded only once."""
         parameters = [{**p, "out_dtype": out_dtype} for p in parameters]

@@ -25,17 +25,12 @@ rather than stacked.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from mergekit_ram.kernel import (
-    ScaleFn,
-    UniqueFn,
-    change_mask,
-    overlap_counts,
-    ram_merge_tensor,
-    task_vector,
-)
+from mergekit_ram.kernel import change_mask, task_vector
+from mergekit_ram.unique import ram_then_shared
 
 
 def _region_values(
@@ -88,28 +83,15 @@ def ties_merge_tensor(
     tasks: Sequence[torch.Tensor],
     *,
     epsilon: float,
-    scales: Sequence[float | None],
     density: float,
-    scale_fn: ScaleFn | None = None,
-    out_dtype: torch.dtype | None = None,
-    on_unique: UniqueFn | None = None,
+    **options: Any,
 ) -> torch.Tensor:
-    """RAM with shared-region TIES on the shared elements; returns out_dtype
-    (default: base's), the float32 result rounded once."""
-    merged = ram_merge_tensor(
-        base,
-        tasks,
-        epsilon=epsilon,
-        scales=scales,
-        scale_fn=scale_fn,
-        out_dtype=torch.float32,
-        on_unique=on_unique,
-    )
-    base32 = base.to(dtype=torch.float32)
-    shared = overlap_counts(base32, tasks, epsilon) >= 2
-    if bool(shared.any()):
-        delta = ties_shared_delta(
+    """RAM with shared-region TIES on the shared elements (other options as
+    unique.ram_then_shared's); the float32 result rounded once."""
+
+    def rule(base32: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        return base32[shared] + ties_shared_delta(
             base32, tasks, shared, epsilon=epsilon, density=density
         )
-        merged[shared] = base32[shared] + delta
-    return merged.to(dtype=out_dtype or base.dtype)
+
+    return ram_then_shared(base, tasks, rule, epsilon=epsilon, **options)

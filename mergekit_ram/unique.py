@@ -10,34 +10,44 @@ what makes an element unique.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from mergekit_ram.kernel import ScaleFn, UniqueFn, overlap_counts, ram_merge_tensor
+from mergekit_ram.kernel import overlap_counts, ram_merge_tensor
+
+# (float32 base, mask of the shared elements) -> their values, flat.
+SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def unique_merge_tensor(
+def ram_then_shared(
     base: torch.Tensor,
     tasks: Sequence[torch.Tensor],
+    rule: SharedRule,
     *,
     epsilon: float,
-    scales: Sequence[float | None],
-    scale_fn: ScaleFn | None = None,
     out_dtype: torch.dtype | None = None,
-    on_unique: UniqueFn | None = None,
+    **kernel: Any,
 ) -> torch.Tensor:
-    """RAM with the base's value on shared elements; returns out_dtype
-    (default: base's), the float32 result rounded once."""
+    """RAM's float32 merge with the shared elements (c ≥ 2) replaced by
+    `rule`; returns out_dtype (default: base's), rounded once. `kernel` holds
+    ram_merge_tensor's scales, scale_fn and on_unique."""
     merged = ram_merge_tensor(
-        base,
-        tasks,
-        epsilon=epsilon,
-        scales=scales,
-        scale_fn=scale_fn,
-        out_dtype=torch.float32,
-        on_unique=on_unique,
+        base, tasks, epsilon=epsilon, out_dtype=torch.float32, **kernel
     )
     base32 = base.to(dtype=torch.float32)
     shared = overlap_counts(base32, tasks, epsilon) >= 2
-    return torch.where(shared, base32, merged).to(dtype=out_dtype or base.dtype)
+    if bool(shared.any()):
+        merged[shared] = rule(base32, shared)
+    return merged.to(dtype=out_dtype or base.dtype)
+
+
+def unique_merge_tensor(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], **options: Any
+) -> torch.Tensor:
+    """RAM with the base's value on shared elements (options as
+    ram_then_shared's)."""
+    return ram_then_shared(
+        base, tasks, lambda base32, shared: base32[shared], **options
+    )

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import reference
 import torch
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
-from safetensors.torch import load_file
+from conftest import merge_yaml
 from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
 
-import mergekit_ram
 from mergekit_ram.api import merge_tensors
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -75,12 +69,7 @@ def test_yaml_out_dtype_writes_the_float32_result_rounded_once(
     family = family_bf16
     text = family.yaml("ramplus", parameters={"r": 0.3}, out_dtype=out_dtype)
     out = tmp_path / "out"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out),
-        MergeOptions(quiet=True),
-    )
-    merged = load_file(str(Path(out) / "model.safetensors"))
+    merged = merge_yaml(text, out)
     written = getattr(torch, out_dtype)
     want, _ = reference.merge(
         family.state("base"), family.task_states(), r=0.3, out_dtype=written

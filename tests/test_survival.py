@@ -90,3 +90,21 @@ def test_tally_warns_only_when_mostly_lost():
     assert tally.lost()
     assert "7 of 20" in tally.warning() and "bfloat16" in tally.warning()
     assert not SurvivalTally().lost()
+
+
+def test_explicit_scale_without_pass_still_warns(family_bf16, tmp_path, caplog):
+    """No statistics pass (explicit λ), so no ram_statistics.json: the line only."""
+    family = family_bf16
+    text = family.yaml(
+        "ramplus",
+        model_parameters={name: {"unique_scale": 1.001} for name in family.tasks},
+    )
+    with caplog.at_level(logging.WARNING, logger="mergekit_ram"):
+        mergekit_ram.run_merge(
+            MergeConfiguration.model_validate(yaml.safe_load(text)),
+            str(tmp_path / "out"),
+            MergeOptions(quiet=True),
+        )
+    assert not (tmp_path / "out" / "ram_statistics.json").exists()
+    lost = [r for r in caplog.records if "out_dtype: float32" in r.getMessage()]
+    assert len(lost) == 1

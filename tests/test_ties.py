@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import reference
 import torch
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
-from safetensors.torch import load_file
+from conftest import merge_yaml
 from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
 
-import mergekit_ram
 from mergekit_ram.api import merge_tensors
 from mergekit_ram.kernel import change_mask, overlap_counts, task_vector
 from mergekit_ram.ties import _trimmed, ties_merge_tensor
@@ -159,12 +153,7 @@ def test_yaml_merge_equals_reference(family_bf16, tmp_path):
     settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
     text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
     out = tmp_path / "out"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out),
-        MergeOptions(quiet=True),
-    )
-    merged = load_file(str(Path(out) / "model.safetensors"))
+    merged = merge_yaml(text, out)
     want, _ = reference.merge(
         family.state("base"),
         family.task_states(),

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import reference
 import torch
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
-from safetensors.torch import load_file
+from conftest import merge_yaml
 from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
 
-import mergekit_ram
 from mergekit_ram.unique import unique_merge_tensor
 
 THEIRS = [0.0, 1 / 3, 0.0]  # their target_index 1 at their fixed factor 1/3
@@ -63,12 +57,7 @@ def test_yaml_merge_equals_reference(family_bf16, tmp_path):
         out_dtype="bfloat16",
     )
     out = tmp_path / "out"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out),
-        MergeOptions(quiet=True),
-    )
-    merged = load_file(str(Path(out) / "model.safetensors"))
+    merged = merge_yaml(text, out)
     base = {k: v.float() for k, v in family.state("base").items()}
     tasks = [{k: v.float() for k, v in t.items()} for t in family.task_states()]
     want, _ = reference.merge(
