@@ -331,6 +331,18 @@ def family_bf16(model_family) -> Family:
     return model_family("bf16", dtype=torch.bfloat16, seed=1)
 
 
+def merge_yaml(text: str, out: Path) -> dict[str, torch.Tensor]:
+    """Merge a YAML config with mergekit_ram.run_merge; the written tensors."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    import mergekit_ram
+
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
+    return load_file(str(Path(out) / "model.safetensors"))
+
+
 def read_json(path) -> dict:
     with open(path, encoding="utf-8") as handle:
         return json.load(handle)

@@ -58,8 +58,15 @@ def merge(
     saturation="clip",
     statistics="global",
     unique_scale=None,
+    shared="mean",
+    density=0.1,
+    out_dtype=None,
 ):
-    """Merged state dict (base dtype) and the global λ per task."""
+    """Merged state dict (out_dtype, default base's) and the global λ per task.
+
+    shared: "mean" (RAM), "ties" (the authors' arm-ties on shared elements,
+    see ties_region) or "base" (shared elements keep the base's value).
+    """
     n = len(tasks)
     per_tensor = counts(base, tasks, epsilon)
     C, S, U, _ = csu(per_tensor, n)
@@ -80,7 +87,13 @@ def merge(
                 unique, tau[t] * lams[t], tau[t] / c.clamp(min=1).float()
             )
             delta = delta + torch.where(m[t], contrib, torch.zeros_like(contrib))
-        merged[name] = (base[name].float() + delta).to(base[name].dtype)
+        result = base[name].float() + delta
+        if shared == "base":
+            result = torch.where(c >= 2, base[name].float(), result)
+        elif shared == "ties" and bool((c >= 2).any()):
+            region, value = ties_region(tau, m, c, density)
+            result[region] = base[name].float()[region] + value
+        merged[name] = result.to(out_dtype or base[name].dtype)
     return merged, global_lam
 
 
@@ -103,3 +116,30 @@ def jaccard(inter):
             union = inter[s][s] + inter[t][t] - inter[s][t]
             out[s][t] = inter[s][t] / union if union else 0.0
     return out
+
+
+def ties_region(tau, m, c, density):
+    """(mask of the shared elements, TIES delta on them), from the definition.
+
+    Per task, its masked τ over the region is kept where |v| is at least the
+    k-th smallest |v| of the region (sorted, 1-based), k = int((1 − density)·n),
+    nothing trimmed for k < 1. Sign per element: + if the kept positives
+    outweigh the kept negatives, − if the reverse, none if equal. Delta: the
+    kept non-zero values of that sign summed in task order over their count
+    (0 when there are none).
+    """
+    region = c >= 2
+    n = int(region.sum())
+    v = torch.where(m, tau, torch.zeros_like(tau))[:, region]
+    k = int((1 - density) * n)
+    if k >= 1:
+        kth = v.abs().sort(dim=1).values[:, k - 1 : k]
+        v = torch.where(v.abs() >= kth, v, torch.zeros_like(v))
+    pos = sum(v[t].clamp(min=0) for t in range(len(v)))
+    neg = sum((-v[t]).clamp(min=0) for t in range(len(v)))
+    sign = torch.where(pos > neg, 1.0, torch.where(neg > pos, -1.0, 0.0))
+    keep = (v != 0) & (torch.sign(v) == sign)
+    total = torch.zeros(n)
+    for t in range(len(v)):
+        total = total + torch.where(keep[t], v[t], torch.zeros(n))
+    return region, total / keep.sum(0).clamp(min=1).float()

@@ -351,6 +351,32 @@ CASES: tuple[Case, ...] = (
         lambda ws: ws.config(parameters={"statistics": "model"}),
         ("parameters.statistics", "one of global, tensor"),
     ),
+    Case(
+        "unknown-shared",
+        "`shared: median`",
+        lambda ws: ws.config(parameters={"shared": "median"}),
+        ("parameters.shared", "one of mean, ties, base"),
+    ),
+    Case(
+        "density-above-one",
+        "`density: 1.5` with `shared: ties`",
+        lambda ws: ws.config(parameters={"shared": "ties", "density": 1.5}),
+        ("parameters.density", "is above 1", "between 0 and 1"),
+    ),
+    Case(
+        "density-without-ties",
+        "`density` without `shared: ties`",
+        lambda ws: ws.config(parameters={"density": 0.2}),
+        ("parameters.density", "only applies with shared: ties", "shared: ties"),
+    ),
+    Case(
+        "shared-under-model",
+        "`shared` under one model",
+        lambda ws: ws.config(
+            models=[ws.task("alpha", shared="ties"), *ws.models("beta", "gamma")]
+        ),
+        ("models[0].parameters.shared", "top-level parameters"),
+    ),
     # ---- one value where whole-model statistics need one
     Case(
         "epsilon-filter-global",

@@ -315,9 +315,14 @@ def test_dtype_and_out_dtype_together(model_set):
         dtype=torch.bfloat16,
         out_dtype=torch.float32,
     )
-    low, _ = reference_result(base, tasks, torch.bfloat16, r=0.1, saturation="soft")
+    # Computed from the bf16-cast inputs, written as the float32 result.
+    low, _ = reference_result(
+        base, tasks, torch.bfloat16, r=0.1, saturation="soft", out_dtype=torch.float32
+    )
+    rounded, _ = reference_result(base, tasks, torch.bfloat16, r=0.1, saturation="soft")
     for name in base:
-        assert tensor_equal(out[name], low[name].float()), name
+        assert tensor_equal(out[name], low[name]), name
+    assert any(not torch.equal(out[n], rounded[n].float()) for n in base)
 
 
 def test_merge_tensors_dtype_and_out_dtype():

@@ -43,6 +43,8 @@ def test_examples_cover_the_documented_modes():
     names = sorted(p.name for p in EXAMPLES.glob("*.yml"))
     assert names == [
         "ram.yml",
+        "ram_ties.yml",
+        "ram_unique.yml",
         "ramplus.yml",
         "ramplus_arm_r_v2.yml",
         "ramplus_explicit_scale.yml",
@@ -52,6 +54,11 @@ def test_examples_cover_the_documented_modes():
 
 def test_ram_runs_no_statistics_pass(workdir, monkeypatch):
     assert merge_example("ram.yml", workdir, monkeypatch) is None
+
+
+@pytest.mark.parametrize("name", ["ram_ties.yml", "ram_unique.yml"])
+def test_authors_modes_run_no_statistics_pass(name, workdir, monkeypatch):
+    assert merge_example(name, workdir, monkeypatch) is None
 
 
 def test_tensor_local_runs_no_statistics_pass(workdir, monkeypatch):

@@ -209,6 +209,8 @@ def test_spec_defaults():
         "saturation": "clip",
         "statistics": "global",
         "nonfinite": "refuse",
+        "shared": "mean",
+        "density": 0.1,
         "unique_scale": None,
     }
     assert defaults(ram) == {**common, "r": 0.0}

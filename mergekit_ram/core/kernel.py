@@ -15,6 +15,9 @@ import torch
 # Called with (task index, that task's k-way histogram in this tensor) when a
 # task has no explicit scale; returns the scale for its unique elements.
 ScaleFn = Callable[[int, torch.Tensor], float]
+# Called with (task index, float32 base, τ, that task's unique elements, its
+# scale) once per task, e.g. to count what the scale changes once rounded.
+UniqueFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 
 
 def task_vector(task: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
@@ -64,8 +67,12 @@ def ram_merge_tensor(
     epsilon: float,
     scales: Sequence[float | None],
     scale_fn: ScaleFn | None = None,
+    out_dtype: torch.dtype | None = None,
+    on_unique: UniqueFn | None = None,
 ) -> torch.Tensor:
-    """Merge one tensor by the RAM rule; returns base's dtype.
+    """Merge one tensor by the RAM rule; returns out_dtype (default: base's).
+
+    The float32 result is rounded once, to the dtype that will be written.
 
     Unchanged elements keep θ₀, unique elements get θ₀ + λ_t·τ_t, shared ones
     θ₀ + Σ_active τ_t / c (the mean of the active task vectors, summed in task
@@ -76,7 +83,7 @@ def ram_merge_tensor(
     if len(scales) != len(tasks):
         raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
     if not tasks:
-        return base.clone()
+        return base.to(dtype=out_dtype or base.dtype, copy=True)
     base32 = base.to(dtype=torch.float32)
     counts = overlap_counts(base32, tasks, epsilon)
     divisor = counts.clamp(min=1).to(torch.float32)
@@ -90,7 +97,9 @@ def ram_merge_tensor(
             if scale_fn is None:
                 raise ValueError(f"no scale for task {index} and no scale_fn")
             scale = scale_fn(index, task_histogram(counts, mask, len(tasks)))
+        if on_unique is not None:
+            on_unique(index, base32, tau, unique & mask, scale)
         contribution = torch.where(unique, tau * scale, tau / divisor)
         delta += torch.where(mask, contribution, -0.0)
         del tau, mask, contribution
-    return (base32 + delta).to(dtype=base.dtype)
+    return (base32 + delta).to(dtype=out_dtype or base.dtype)

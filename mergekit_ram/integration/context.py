@@ -3,7 +3,11 @@
 The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
 planner hook stores its (settings, statistics, scales) there, the model-card
-hook and `mergekit-ram merge --report` read them back.
+hook and `mergekit-ram merge --report` read them back. The survival tally of
+λ (`core.survival`) lives there too: the planner makes it, each merge task
+adds to it, the last task writes it out. Merge tasks may run on worker
+threads (mergekit's --multi-gpu executor), which do not inherit the context;
+they carry their run and bind it with `running`.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from mergekit_ram.core.survival import SurvivalTally
+
 
 @dataclass
 class MergeRun:
-    """One merge in progress; `result` is None until (and unless) RAM+ counted."""
+    """One merge in progress; `result` is None until (and unless) RAM+ counted,
+    `tally` None unless some task model's unique elements are rescaled."""
 
     result: tuple | None = None
+    tally: SurvivalTally | None = None
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)
@@ -40,5 +48,18 @@ def merge_run() -> Iterator[MergeRun]:
     token = _CURRENT.set(run)
     try:
         yield run
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextmanager
+def running(run: MergeRun | None) -> Iterator[None]:
+    """`run` as the merge in progress for the block (on this thread, too)."""
+    if run is None or _CURRENT.get() is run:
+        yield
+        return
+    token = _CURRENT.set(run)
+    try:
+        yield
     finally:
         _CURRENT.reset(token)

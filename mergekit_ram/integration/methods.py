@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -20,8 +21,12 @@ from pydantic import BeforeValidator, Field
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import TaskCounts
-from mergekit_ram.core.kernel import ram_merge_tensor
+from mergekit_ram.core.kernel import UniqueFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.survival import SurvivalTally, survivors
+from mergekit_ram.core.ties import ties_merge_tensor
+from mergekit_ram.core.unique import unique_merge_tensor
+from mergekit_ram.integration.context import current_run
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 
@@ -42,6 +47,8 @@ NonNegative = Annotated[
     Field(allow_inf_nan=False),
     Field(ge=0),
 ]
+# A fraction in [0, 1] (density); the upper bound is read by parameter_schema.
+Fraction = Annotated[NonNegative, Field(le=1)]
 
 PARAMETER_HELP = {
     "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
@@ -51,7 +58,36 @@ PARAMETER_HELP = {
     "statistics": "global (whole model, the paper) or tensor (per tensor)",
     "unique_scale": "explicit λ for this task model; skips its statistics",
     "nonfinite": "refuse NaN/Inf inputs, or ignore them (keep the base there)",
+    "shared": "shared elements: mean (RAM), ties (the authors' arm-ties) or "
+    "base (unique elements only, their arm-unique)",
+    "density": "with shared: ties, the fraction of each task's shared "
+    "elements TIES keeps (largest |τ|)",
 }
+
+
+def _survival_counter(
+    tally: SurvivalTally | None, ids: Sequence[Hashable], written: torch.dtype
+) -> UniqueFn | None:
+    """The kernel's on_unique hook adding to `tally` (None: nothing to count)."""
+    if tally is None:
+        return None
+    name = str(written).removeprefix("torch.")
+
+    def count(
+        index: int,
+        base32: torch.Tensor,
+        tau: torch.Tensor,
+        rescaled: torch.Tensor,
+        scale: float,
+    ) -> None:
+        if scale == 1.0:
+            return
+        total = int(torch.count_nonzero(rescaled))
+        if total:
+            changed = survivors(base32, tau, rescaled, scale, written)
+            tally.add(ids[index], total, changed, name)
+
+    return count
 
 
 class GlobalStatisticsMissing(RuntimeError):
@@ -64,6 +100,26 @@ class RAMMerge(GroupMergeMethod):
 
     spec: MergeMethodSpec
 
+    def _execute(
+        self,
+        groups: Sequence[TensorGroup],
+        parameters: list[dict[str, Any]],
+        options: Any,
+        *,
+        input_dtypes: Sequence[torch.dtype | None],
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """mergekit casts a method's result to out_dtype after merge_group; the
+        kernel gets it instead, so the float32 result is rounded only once."""
+        parameters = [{**p, "out_dtype": out_dtype} for p in parameters]
+        return super()._execute(
+            groups,
+            parameters,
+            options,
+            input_dtypes=input_dtypes,
+            out_dtype=out_dtype,
+        )
+
     def merge_group(
         self,
         group: TensorGroup,
@@ -75,7 +131,10 @@ class RAMMerge(GroupMergeMethod):
         saturation: str,
         statistics: str,
         nonfinite: str,
+        shared: str,
+        density: float,
         unique_scale: PerInputValues[float | None],
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         if group.base is None:
             raise ValueError(f"{self.spec.name} needs a base model")
@@ -83,6 +142,7 @@ class RAMMerge(GroupMergeMethod):
         if not base.is_floating_point():
             # Integer and bool buffers have no task vector: the base's, as is.
             return base.clone()
+        written = out_dtype or base.dtype
         tasks = group.non_base
         rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
         scales = []
@@ -110,13 +170,28 @@ class RAMMerge(GroupMergeMethod):
             {entry.id: entry.tensor for entry in tasks},
             nonfinite,
         )
-        return ram_merge_tensor(
+        kernel, extra = {
+            "mean": (ram_merge_tensor, {}),
+            "ties": (ties_merge_tensor, {"density": density}),
+            "base": (unique_merge_tensor, {}),
+        }[shared]
+        ids = [entry.id for entry in tasks]
+        return kernel(
             base,
-            [inputs[entry.id] for entry in tasks],
+            [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
             scale_fn=lambda _index, hist: _local_scale(rule, hist),
+            out_dtype=written,
+            on_unique=_survival_counter(_tally(), ids, written),
+            **extra,
         )
+
+
+def _tally() -> SurvivalTally | None:
+    """The survival tally of the merge in progress (None: nothing to count)."""
+    run = current_run()
+    return None if run is None else run.tally
 
 
 def _local_scale(rule: ScaleRule, histogram: torch.Tensor) -> float:
@@ -144,6 +219,8 @@ def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
             shared("saturation", Literal["clip", "soft"], "clip"),
             shared("statistics", Literal["global", "tensor"], "global"),
             shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
+            shared("shared", Literal["mean", "ties", "base"], "mean"),
+            shared("density", Fraction, 0.1),
             ParameterSpec(
                 "unique_scale",
                 NonNegative | None,

@@ -42,6 +42,7 @@ def check_parameters(groups: list[Group], method: RAMMerge) -> None:
             for value in _leaves(setting):
                 _check_value(block, spec, value)
     _check_one_value(groups, specs)
+    _check_density(groups, specs)
 
 
 def _unique_blocks(groups: list[Group]) -> Iterator[Block]:
@@ -107,12 +108,23 @@ def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
                 f"{', '.join(choices)}."
             )
         return
-    problem = _number_problem(spec, value)
+    upper = _upper_bound(spec)
+    problem = _number_problem(spec, value, upper)
     if problem:
+        limits = "≥ 0" if upper is None else f"between 0 and {upper:g}"
         raise RAMInputError(
             f"{block.where(spec.name)}: {value!r} {problem}; {spec.name} "
-            f"({PARAMETER_HELP[spec.name]}) must be a finite number ≥ 0."
+            f"({PARAMETER_HELP[spec.name]}) must be a finite number {limits}."
         )
+
+
+def _upper_bound(spec: ParameterSpec) -> float | None:
+    """The `le` bound in the parameter's own Annotated type, else None."""
+    for meta in getattr(spec.value_type, "__metadata__", ()):
+        for item in getattr(meta, "metadata", ()):
+            if getattr(item, "le", None) is not None:
+                return float(item.le)
+    return None
 
 
 def _choices(spec: ParameterSpec) -> tuple[str, ...]:
@@ -122,7 +134,7 @@ def _choices(spec: ParameterSpec) -> tuple[str, ...]:
     return ()
 
 
-def _number_problem(spec: ParameterSpec, value: Any) -> str:
+def _number_problem(spec: ParameterSpec, value: Any, upper: float | None) -> str:
     """Why the parameter's own type refuses `value`, in our words ('' if not)."""
     try:
         spec.validate(value)
@@ -132,6 +144,8 @@ def _number_problem(spec: ParameterSpec, value: Any) -> str:
         return ""
     if kind == "greater_than_equal":
         return "is negative"
+    if kind == "less_than_equal":
+        return f"is above {upper:g}"
     if kind == "finite_number":
         return "is NaN" if math.isnan(float(value)) else "is infinite"
     return "is not a number"
@@ -167,6 +181,20 @@ def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) ->
                 raise unique_scale_error(
                     source.model, f"takes the values {_listed(scales)} here"
                 )
+
+
+def _check_density(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
+    """`density` only acts with shared: ties; set without it, it is ignored."""
+    if any("ties" in _possible(specs["shared"], g.blocks) for g in groups):
+        return
+    for block in _unique_blocks(groups):
+        if "density" in block.settings:
+            raise RAMInputError(
+                f"{block.where('density')}: density only applies with shared: "
+                "ties (TIES on the shared elements), and this merge never uses "
+                "it, so it would be ignored. Add 'shared: ties' next to it, or "
+                "remove density."
+            )
 
 
 def _possible(spec: ParameterSpec, blocks: Iterable[Block]) -> set[Any]:

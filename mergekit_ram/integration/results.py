@@ -8,6 +8,7 @@ from typing import Any
 
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.tables import markdown_table, percent
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -53,12 +54,30 @@ def statistics_document(
     }
 
 
+def with_survival(document: dict[str, Any], tally: SurvivalTally) -> dict[str, Any]:
+    """ram_statistics.json's content plus, per task, how many unique elements
+    were rescaled (λ ≠ 1) and how many of them still differ from RAM once
+    written (`rescale_survived`); both 0 when nothing was rescaled."""
+    counts = {str(task): entry for task, entry in tally.counts.items()}
+    for row in document["tasks"]:
+        rescaled, survived = counts.get(row["model"], (0, 0))
+        row["rescaled"] = rescaled
+        row["rescale_survived"] = survived
+    document["written_dtypes"] = sorted(tally.dtypes)
+    return document
+
+
 def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,
     scales: Mapping[Hashable, float],
+    survival: SurvivalTally | None = None,
 ) -> str:
-    """A short model-card section with the per-agent table."""
+    """A short model-card section with the per-agent table.
+
+    With a survival tally, a column says which share of each task's rescaled
+    unique elements the rescale still changes in the written model.
+    """
     lines = [
         "",
         "### RAM+ statistics",
@@ -71,8 +90,10 @@ def card_section(
         f"Full counts are in `{STATISTICS_FILE}`.",
         "",
     ]
+    counts = {} if survival is None else survival.counts
     rows = []
-    for row in task_rows(stats, scales):
+    for task, row in zip(stats.tasks, task_rows(stats, scales)):
+        rescaled, survived = counts.get(task, (0, 0))
         rows.append(
             [
                 row["model"],
@@ -81,7 +102,11 @@ def card_section(
                 percent(row["shared"], row["changed"]),
                 "∞" if row["rho"] is None else f"{row['rho']:.4f}",
                 f"{row['scale']:.4f}",
+                percent(survived, rescaled, 1),
             ]
         )
-    headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ"]
-    return "\n".join(lines + markdown_table(headers, rows)) + "\n"
+    headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ", "λ survives"]
+    lines += markdown_table(headers, rows)
+    if survival is not None and survival.lost():
+        lines += ["", survival.warning()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,169 @@
+"""shared: ties (the authors' arm-ties) against the dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import reference
+import torch
+from conftest import merge_yaml
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+
+from mergekit_ram.commands.api import merge_tensors
+from mergekit_ram.core.kernel import change_mask, overlap_counts, task_vector
+from mergekit_ram.core.ties import _trimmed, ties_merge_tensor
+
+
+def edge_case() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Base 0 and three tasks whose shared region holds every TIES edge:
+
+    0: +0.5 against −0.25 − 0.25, a tie when nothing is trimmed (density 1)
+       → no sign, the base;
+    1: +0.5 / −0.5, both trimmed away with the default density → zero mass;
+    2-3: agreeing large values; 4: −0.75 outweighs +0.5 (kept: only −0.75);
+    5: unique, 6: unchanged, 7: shared but only by sub-threshold noise.
+    """
+    base = torch.zeros(8)
+    t1 = torch.tensor([0.5, 0.01, 0.9, 0.8, 0.5, 0.3, 0.0, 5e-6])
+    t2 = torch.tensor([-0.25, -0.01, 0.7, 0.6, -0.75, 0.0, 0.0, 5e-6])
+    t3 = torch.tensor([-0.25, 0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0])
+    return base, [t1, t2, t3]
+
+
+def expected(base, tasks, *, density=0.1, scales=None, out_dtype=None):
+    b, ts = as_dicts(base, tasks)
+    merged, _ = reference.merge(
+        b,
+        ts,
+        shared="ties",
+        density=density,
+        unique_scale=scales,
+        out_dtype=out_dtype,
+    )
+    return merged["w"]
+
+
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0])
+def test_edge_case_equals_reference(density):
+    base, tasks = edge_case()
+    got = ties_merge_tensor(
+        base, tasks, epsilon=EPSILON, scales=[1.0] * 3, density=density
+    )
+    assert torch.equal(got, expected(base, tasks, density=density))
+
+
+def test_edge_case_values():
+    """The issue's rules, by hand: n = 5 shared, k = int(0.9·5) = 4."""
+    base, tasks = edge_case()
+    got = ties_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * 3, density=0.1)
+    # Task 1 keeps |v| ≥ 4th smallest of (0.5, 0.01, 0.9, 0.8, 0.5) = 0.8:
+    # 0.9 and 0.8; task 2 keeps ≥ 0.7: 0.7, 0.75 (the -0.75); task 3 keeps ≥
+    # 0.25 of (0.25, 0, 0, 0.4, 0): both.
+    assert got.tolist() == pytest.approx(
+        [-0.25, 0.0, 0.8, 0.6, -0.75, 0.3, 0.0, 0.0], abs=1e-7
+    )
+
+
+def test_tie_and_zero_mass_keep_the_base():
+    base, tasks = edge_case()
+    base = base + 2.0
+    tasks = [t + 2.0 for t in tasks]
+    tasks[2][0] = 2.0 + 0.25  # +0.5 against −0.25 + 0.25: no longer a tie
+    tasks[1][0] = 2.0 - 0.5  # +0.5 against −0.5 + 0.25 ... (kept −0.5 only)
+    got = ties_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * 3, density=0.4)
+    assert torch.equal(got, expected(base, tasks, density=0.4))
+    tied = [t.clone() for t in tasks]
+    tied[0][1], tied[1][1] = 2.5, 1.5  # +0.5 / −0.5, both kept at density 1
+    got = ties_merge_tensor(base, tied, epsilon=EPSILON, scales=[1.0] * 3, density=1)
+    assert got[1] == 2.0
+    assert torch.equal(got, expected(base, tied, density=1.0))
+
+
+def test_one_shared_element_is_not_trimmed():
+    """n = 1 → k = 0: nothing trimmed, the agreeing values are averaged."""
+    base = torch.zeros(4)
+    tasks = [torch.tensor([0.2, 0.1, 0, 0]), torch.tensor([0.4, 0, 0.3, 0])]
+    got = ties_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0, 1.0], density=0)
+    assert got.tolist() == pytest.approx([0.3, 0.1, 0.3, 0.0])
+    assert torch.equal(got, expected(base, tasks, density=0.0))
+
+
+def test_no_shared_element_is_ram():
+    base = torch.zeros(4)
+    tasks = [torch.tensor([0.2, 0, 0, 0]), torch.tensor([0, 0, 0.3, 0])]
+    got = ties_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.5, 1.0], density=0)
+    assert got.tolist() == pytest.approx([0.3, 0.0, 0.3, 0.0])
+
+
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.9])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_trimming_always_keeps_a_value(density, seed):
+    """Why there is no all-trimmed fallback: each task changing a shared
+    element keeps its largest magnitude there."""
+    base, tasks = sparse_tasks((40, 30), [0.3, 0.4, 0.5], seed=seed)
+    counts = overlap_counts(base, tasks, EPSILON)
+    shared = counts >= 2
+    k = int((1 - density) * int(shared.sum()))
+    for task in tasks:
+        tau = task_vector(task, base)[shared]
+        values = torch.where(change_mask(tau, EPSILON), tau, 0.0)
+        if values.abs().max() > 0:
+            kept = _trimmed(values, k)
+            assert kept.abs().max() == values.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("density", [0.1, 0.3])
+def test_random_tensors_equal_reference(dtype, density):
+    base, tasks = sparse_tasks((64, 48), [0.2, 0.35, 0.5], seed=7)
+    assert_all_classes(base, tasks)
+    base, tasks = cast(base, tasks, dtype)
+    scales = [1.25, 1.0, 1.1]
+    got = ties_merge_tensor(
+        base, tasks, epsilon=EPSILON, scales=scales, density=density
+    )
+    want = expected(base, tasks, density=density, scales=scales)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+    # TIES changed the shared elements: it is not RAM.
+    b, ts = as_dicts(base, tasks)
+    ram, _ = reference.merge(b, ts, unique_scale=scales)
+    assert not torch.equal(got, ram["w"])
+
+
+def test_api_merge_tensors_with_float32_output():
+    base, tasks = sparse_tasks((32, 16), [0.3, 0.4], seed=3)
+    base, tasks = cast(base, tasks, torch.bfloat16)
+    got = merge_tensors(
+        [base, *tasks],
+        "ramplus",
+        parameters={"shared": "ties", "density": 0.2, "unique_scale": 1.2},
+        base_index=0,
+        out_dtype=torch.float32,
+    )
+    want = expected(
+        base, tasks, density=0.2, scales=[1.2, 1.2], out_dtype=torch.float32
+    )
+    assert torch.equal(got, want)
+
+
+def test_yaml_merge_equals_reference(family_bf16, tmp_path):
+    """ramplus with shared: ties through mergekit's planner: global λ on the
+    unique elements, TIES on the shared ones, written in float32."""
+    family = family_bf16
+    settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
+    text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
+    out = tmp_path / "out"
+    merged = merge_yaml(text, out)
+    want, _ = reference.merge(
+        family.state("base"),
+        family.task_states(),
+        r=0.3,
+        alpha=1.0,
+        shared="ties",
+        density=0.2,
+        out_dtype=torch.float32,
+    )
+    assert sorted(merged) == sorted(want)
+    for name in want:
+        assert merged[name].dtype == torch.float32
+        assert torch.equal(merged[name], want[name]), name
