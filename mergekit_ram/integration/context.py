@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from mergekit_ram.core.survival import SurvivalTally
 
 
-@dataclass
+@dataclass(eq=False)
 class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
-    `tally` None unless some task model's unique elements are rescaled."""
+    `tally` None unless some task model's unique elements are rescaled.
+
+    Compared by identity: merge tasks carry their run, and mergekit compares
+    tasks (their statistics must never be compared element by element).
+    """
 
     result: tuple | None = None
     tally: SurvivalTally | None = None
