@@ -67,7 +67,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.report import percent, statistics_document
+from mergekit_ram.report import percent, statistics_document, strict_json
 from mergekit_ram.scale import ScaleRule
 from mergekit_ram.settings import MergeSettings
 from mergekit_ram.statistics import OverlapStatistics, TaskCounts
@@ -663,7 +663,7 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, REPORT_JSON)]
     with open(paths[0], "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
+        json.dump(strict_json(report), handle, indent=2, allow_nan=False)
         handle.write("\n")
     note = None
     if figures.available():

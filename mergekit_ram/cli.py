@@ -93,6 +93,18 @@ def _shown(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
+def _finite_number(
+    _context: click.Context, parameter: click.Parameter, value: float | None
+) -> float | None:
+    """A number option passes the checks a YAML value does (finite, ≥ 0)."""
+    from mergekit_ram.validation import number_problem
+
+    problem = None if value is None else number_problem(value)
+    if problem:
+        raise click.BadParameter(f"{value!r} {problem}; it must be a finite number ≥ 0")
+    return value
+
+
 def _emit(report: dict, out_dir: str | None) -> None:
     from mergekit_ram.analyze import render_text, write_report
 
@@ -147,8 +159,9 @@ def merge(
 )
 @click.option(
     "--epsilon",
-    type=click.FloatRange(min=0),
+    type=float,
     default=None,
+    callback=_finite_number,
     help="Change threshold |θ_t − θ₀| > epsilon (default: the config's, or 1e-5).",
 )
 @click.option(

@@ -11,12 +11,14 @@ with IncompatibleMergekit otherwise rather than half-working.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import ModuleType
 
 import _mergekit_ram_autoload as autoload
 
 SUPPORTED = "mergekit>=0.1.5,<0.2"
+LOG = logging.getLogger(__name__)
 
 
 class IncompatibleMergekit(RuntimeError):
@@ -78,12 +80,35 @@ def patch_card(merge: ModuleType) -> None:
     if hasattr(original, "__mergekit_ram__"):
         return
 
+    card_module = sys.modules[original.__module__]
+    lookup = getattr(card_module, "is_hf", None)
+    if not callable(lookup):
+        raise _incompatible("mergekit.card.is_hf is missing")
+    unreachable: list[str] = []
+
+    def is_hf(path: str) -> bool:
+        # Offline, the hub cannot say whether a relative `in/base` is a repo.
+        try:
+            return lookup(path)
+        except Exception:
+            unreachable.append(path)
+            return False
+
     def generate_card(config, config_yaml, name=None):
+        unreachable.clear()
         card = original(config=config, config_yaml=config_yaml, name=name)
+        for path in dict.fromkeys(unreachable):
+            LOG.warning(
+                "Model card: the hub could not be asked whether %s is a hub "
+                "repository; the card names it without a link.",
+                path,
+            )
         result = statistics_for_card(config)
         return card if result is None else card + card_section(*result)
 
+    is_hf.__mergekit_ram__ = lookup
     generate_card.__mergekit_ram__ = original
+    card_module.is_hf = is_hf
     merge.generate_card = generate_card
 
 

@@ -18,7 +18,7 @@ from mergekit.merge_methods.base import (
 )
 from pydantic import Field
 
-from mergekit_ram.inputs import finite_inputs
+from mergekit_ram.inputs import finite_inputs, finite_output
 from mergekit_ram.kernel import ram_merge_tensor
 from mergekit_ram.scale import ScaleRule
 
@@ -92,7 +92,7 @@ class RAMMerge(GroupMergeMethod):
             {entry.id: entry.tensor for entry in tasks},
             nonfinite,
         )
-        return ram_merge_tensor(
+        merged = ram_merge_tensor(
             base,
             [inputs[entry.id] for entry in tasks],
             epsilon=epsilon,
@@ -101,6 +101,8 @@ class RAMMerge(GroupMergeMethod):
                 int(hist.sum() - hist[0]), int(hist[0])
             ),
         )
+        finite_output(group.metadata.name or "tensor", base, merged, None, nonfinite)
+        return merged
 
 
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:

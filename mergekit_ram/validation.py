@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
 import huggingface_hub
+import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
-from mergekit.common import ModelPath, ModelReference
+from mergekit.common import ModelPath, ModelReference, dtype_from_name
 from mergekit.config import (
     ConditionalParameter,
     InputModelDefinition,
@@ -32,7 +33,10 @@ from mergekit.merge_methods.base import ParameterScope, ParameterSpec
 from mergekit.options import MergeOptions
 
 from mergekit_ram.errors import RAMInputError
+from mergekit_ram.headers import check_models
 from mergekit_ram.method import METHODS, PARAMETER_HELP, RAMMerge, is_ours
+from mergekit_ram.paths import first_duplicate, identity
+from mergekit_ram.scale import ScaleRule
 from mergekit_ram.settings import SCALAR_KEYS, one_value_error, unique_scale_error
 
 # What mergekit's ShardedTensorIndex.from_disk looks for in a model directory.
@@ -131,6 +135,8 @@ def _validate(
     if is_ours(config.merge_method):
         method = next(m for m in METHODS if m.spec.name == config.merge_method)
         _check_parameters(groups, method)
+        _check_output_range(config, groups, method)
+    _check_headers(config, groups, options)
 
 
 # ------------------------------------------------------------ configuration
@@ -223,11 +229,28 @@ def _check_group(group: Group, user: str) -> None:
                 f"{first.label}. List each model once (the base model may appear "
                 "once among the models)."
             )
+    duplicate = first_duplicate(
+        [("base_model", _spelled(group.base))]
+        + [(s.label, _spelled(s.model)) for s in group.sources if s.model != group.base]
+    )
+    if duplicate is not None:
+        (first, path), (label, again) = duplicate
+        raise RAMInputError(
+            f"{label}: {again} is the same folder as {first} {path} (after "
+            "resolving symlinks and '..'), so it would be counted twice. List "
+            "each model once, spelled the same way everywhere."
+        )
     if all(model == group.base for model in models):
         raise RAMInputError(
             f"{user} needs at least one task model besides the base model "
             f"{group.base} in {group.label}: list the fine-tuned models to merge."
         )
+
+
+def _spelled(reference: ModelReference) -> str:
+    """A reference's path, with its LoRA (a different model when it has one)."""
+    lora = "" if reference.lora is None else f"+{identity(reference.lora.path)}"
+    return reference.model.path + lora
 
 
 # ------------------------------------------------------------------ models
@@ -343,6 +366,35 @@ def _relative_to(path: str) -> str:
     return f" (relative paths start from the current directory, {os.getcwd()})"
 
 
+def _check_headers(
+    config: MergeConfiguration, groups: list[Group], options: MergeOptions | None
+) -> None:
+    """Every local input's checkpoint headers; for `models:` lists also each
+    task model against the base (slices may differ by layer range)."""
+    vocabulary_free = bool(
+        config.tokenizer_source
+        or config.tokenizer
+        or (options is not None and options.unsafe_truncate_embeddings)
+    )
+    for group in groups:
+        tasks = [
+            (f"{s.label}.model", s.model.model.path)
+            for s in group.sources
+            if s.model != group.base and _local(s.model)
+        ]
+        if group.base is not None and _local(group.base):
+            check_models(
+                ("base_model", group.base.model.path),
+                tasks,
+                compare=group.adds_base,
+                vocabulary_free=vocabulary_free,
+            )
+
+
+def _local(reference: ModelReference) -> bool:
+    return reference.lora is None and os.path.isdir(reference.model.path)
+
+
 # -------------------------------------------------------------- parameters
 
 
@@ -355,6 +407,12 @@ def _check_parameters(groups: list[Group], method: RAMMerge) -> None:
             if spec is None:
                 raise _unknown(block, key, name, specs)
             _check_scope(block, spec)
+            if _empty(setting):
+                raise RAMInputError(
+                    f"{block.where(key)}: an empty list gives {key} no value, "
+                    "and mergekit would silently use the default. Write a value "
+                    "or remove the key."
+                )
             for value in _leaves(setting):
                 _check_value(block, spec, value)
     _check_one_value(groups, specs)
@@ -413,6 +471,15 @@ def _leaves(setting: Any) -> Iterator[Any]:
         yield setting
 
 
+def _empty(setting: Any) -> bool:
+    """An empty list anywhere in a setting (a gradient or filter value)."""
+    if isinstance(setting, ConditionalParameter):
+        return _empty(setting.value)
+    if isinstance(setting, list):
+        return not setting or any(_empty(item) for item in setting)
+    return False
+
+
 def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
     choices = _choices(spec)
     if choices:
@@ -423,7 +490,7 @@ def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
                 f"{', '.join(choices)}."
             )
         return
-    problem = _number_problem(value)
+    problem = number_problem(value)
     if problem:
         raise RAMInputError(
             f"{block.where(spec.name)}: {value!r} {problem}; {spec.name} "
@@ -438,7 +505,7 @@ def _choices(spec: ParameterSpec) -> tuple[str, ...]:
     return ()
 
 
-def _number_problem(value: Any) -> str:
+def number_problem(value: Any) -> str:
     """Why `value` is not a finite number ≥ 0 ('' when it is)."""
     if isinstance(value, bool):
         return "is not a number"
@@ -451,6 +518,42 @@ def _number_problem(value: Any) -> str:
     if math.isinf(number):
         return "is infinite"
     return "is negative" if number < 0 else ""
+
+
+def _check_output_range(
+    config: MergeConfiguration, groups: list[Group], method: RAMMerge
+) -> None:
+    """λ must fit the output dtype (and float32, the kernel's): a λ beyond it
+    turns every unique element into ±Inf."""
+    name = config.out_dtype or config.dtype or "float32"
+    dtype = dtype_from_name(name)
+    if not dtype.is_floating_point:
+        return
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    specs = {spec.name: spec for spec in method.spec.parameters}
+    values = {
+        key: set().union(*(_possible(specs[key], g.blocks) for g in groups))
+        for key in ("r", "alpha", "saturation")
+    }
+    candidates = []
+    for r in values["r"]:
+        for alpha in values["alpha"]:
+            for saturation in values["saturation"]:
+                rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+                candidates.append((rule.limit(), f"r = {r:g} with alpha = {alpha:g}"))
+    for group in groups:
+        for source in group.sources:
+            blocks = (source.block, *group.blocks)
+            for scale in _possible(specs["unique_scale"], blocks) - {None}:
+                candidates.append((scale, f"unique_scale = {scale:g} ({source.model})"))
+    for scale, origin in candidates:
+        if scale > limit:
+            raise RAMInputError(
+                f"{origin} allows λ up to {scale:g}, beyond the largest {name} "
+                f"value the output can hold ({limit:g}): every element that "
+                "one task model alone changes would be written as ±Inf. Lower "
+                "r, alpha or unique_scale, or write a wider dtype (out_dtype)."
+            )
 
 
 def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
