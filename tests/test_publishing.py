@@ -1,0 +1,292 @@
+"""mergekit_ram.publishing: a merge never costs the user a file.
+
+Issue findings 1-5 and 11, each reproduced as a new user would hit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mergekit_ram.cli import main
+from mergekit_ram.publishing import (
+    OutputError,
+    check_output,
+    locked,
+    replaced_names,
+    staged_merge,
+)
+
+BIN = Path(sys.executable).parent
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def family(model_family):
+    return model_family("publishing", seed=31)
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(out: Path) -> list[str]:
+    return [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.")]
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def cli(*args: str, cwd: Path | None = None, env: dict | None = None):
+    return subprocess.run(
+        [str(BIN / "mergekit-ram"), *args, "--quiet"],
+        cwd=cwd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def previous(family, tmp_path_factory) -> Path:
+    """A finished RAM merge, with a user's notes file next to it."""
+    out = tmp_path_factory.mktemp("previous") / "out"
+    config = write_config(out.parent / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+def copy_of(previous: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    return out
+
+
+# --- 1. the offline card with a hub-like relative path ---------------------------
+
+
+def test_relative_one_slash_path_offline_keeps_card_and_merge(
+    family, previous, tmp_path
+):
+    """`base_model: in/base` from a cwd where in/base exists, HF_HUB_OFFLINE=1."""
+    (tmp_path / "in").mkdir()
+    for name, path in family.paths.items():
+        os.symlink(path, tmp_path / "in" / name)
+    config = family.config_dict("ram")
+    config["base_model"] = "in/base"
+    config["models"] = [{"model": f"in/{t}"} for t in family.tasks]
+    write_config(tmp_path / "ram.yml", config)
+    out = copy_of(previous, tmp_path)
+    result = cli("merge", "ram.yml", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    card = (out / "README.md").read_text()
+    assert "in/base" in card and "huggingface.co/in/base" not in card
+    assert "without a link" in result.stderr
+    assert (out / "config.json").is_file() and (out / "notes.txt").exists()
+
+
+# --- 2. a failing rerun keeps the previous merge, recipe included ----------------
+
+
+def test_failing_rerun_of_outs_own_recipe_keeps_everything(family, previous, tmp_path):
+    out = copy_of(previous, tmp_path)
+    before = hashes(out)
+    recipe = yaml.safe_load((out / "mergekit_config.yml").read_text())
+    recipe["parameters"] = {"nonfinite": "refuse"}
+    # A NaN found while streaming: one task model replaced by a poisoned copy.
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(family.paths["beta"], poisoned)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(poisoned / "model.safetensors"))
+    state["model.layers.1.mlp.down_proj.weight"].view(-1)[3] = float("nan")
+    save_file(state, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    recipe["models"][1]["model"] = str(poisoned)
+    (out / "mergekit_config.yml").write_text(yaml.safe_dump(recipe))
+    before = hashes(out)
+    result = CliRunner().invoke(
+        main, ["merge", str(out / "mergekit_config.yml"), str(out), "--quiet"]
+    )
+    assert result.exit_code == 2 and "NaN" in result.output
+    assert hashes(out) == before
+    assert not leftovers(out)
+
+
+# --- 3. --no-write-model-card keeps a user's README.md --------------------------
+
+
+def test_no_card_keeps_users_readme(family, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(
+        main, ["merge", str(config), str(out), "--no-write-model-card", "--quiet"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (out / "README.md").read_text() == "my notes"
+    assert (out / "config.json").is_file()
+
+
+def test_replaced_names_only_what_a_merge_wrote():
+    user = {"README.md", "notes.txt", "model.safetensors", "config.json"}
+    # No previous merge: only what the new merge overwrites by name.
+    assert replaced_names(user, {"config.json", "model.safetensors"}) == [
+        "config.json",
+        "model.safetensors",
+    ]
+    previous = {"mergekit_config.yml", "model-00001-of-00002.safetensors", *user}
+    moved = replaced_names(previous, {"config.json", "model.safetensors"})
+    assert moved[0] == "config.json"  # first: OUT never pairs old config, new weights
+    assert "README.md" not in moved and "notes.txt" not in moved
+    assert {"mergekit_config.yml", "model-00001-of-00002.safetensors"} <= set(moved)
+
+
+# --- 4. two merges into one OUT at once -----------------------------------------
+
+
+def test_second_concurrent_merge_fails_at_once_and_first_succeeds(family, tmp_path):
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from mergekit_ram.publishing import staged_merge\n"
+            "def write(staged):\n"
+            "    print('WRITING', flush=True); time.sleep(30)\n"
+            "staged_merge(sys.argv[1], write)\n",
+            str(out),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "WRITING"
+        started = time.monotonic()
+        second = cli("merge", str(config), str(out))
+        assert second.returncode == 2, second.stderr
+        assert "Another merge is writing into" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert time.monotonic() - started < 60
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.communicate(timeout=TIMEOUT)
+    assert not out.exists() and not leftovers(out)
+    first = cli("merge", str(config), str(out))
+    assert first.returncode == 0, first.stderr
+    assert (out / "config.json").is_file() and not leftovers(out)
+
+
+def test_lock_is_exclusive_and_removed(tmp_path):
+    out = str(tmp_path / "out")
+    with locked(out):
+        with pytest.raises(OutputError, match="Another merge"):
+            with locked(out):
+                pass
+    assert os.listdir(tmp_path) == []
+    with locked(out):  # free again
+        pass
+
+
+# --- 5. SIGTERM -------------------------------------------------------------------
+
+
+STALLING_MERGE = """
+import sys, time
+import mergekit_ram.method as method
+real = method.ram_merge_tensor
+calls = [0]
+def slow(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 6:
+        print("STALLED", flush=True)
+        time.sleep(600)
+    return real(*args, **kwargs)
+method.ram_merge_tensor = slow
+from mergekit_ram.cli import main
+main(["merge", sys.argv[1], sys.argv[2], "--quiet"])
+"""
+
+
+def test_sigterm_mid_merge_leaves_out_as_it_was(family, previous, tmp_path):
+    out = copy_of(previous, tmp_path)
+    before = hashes(out)
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLING_MERGE, str(config), str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if line.strip() != "STALLED":
+        proc.kill()
+        raise AssertionError(line + proc.communicate()[1])
+    assert leftovers(out)  # the staging folder and the lock exist while it runs
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert hashes(out) == before
+    assert not leftovers(out)
+
+
+def test_sigterm_handler_is_restored(tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    staged_merge(str(tmp_path / "out"), lambda staged: None)
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+# --- 11. an OUT that is a file; a new OUT after a failure --------------------------
+
+
+def test_out_that_is_a_file_is_refused_untouched(family, tmp_path):
+    out = tmp_path / "out"
+    out.write_text("a file")
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "is a file, not a folder" in result.output
+    assert out.read_text() == "a file"
+    assert sorted(os.listdir(tmp_path)) == ["out", "ram.yml"]
+
+
+def test_failed_merge_into_a_new_folder_leaves_no_folder(tmp_path):
+    out = tmp_path / "new" / "deeper" / "out"
+
+    def fail(staged: str) -> None:
+        Path(staged, "model-1.safetensors").write_text("partial")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        staged_merge(str(out), fail)
+    assert os.listdir(tmp_path) == []
+
+
+def test_foreign_weights_in_out_are_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_text("someone's model")
+    with pytest.raises(OutputError, match="no mergekit_config.yml"):
+        check_output(str(tmp_path))
