@@ -111,9 +111,7 @@ def test_task_model_missing_a_tensor(family, tmp_path):
     assert "Tensor model.layers.1.self_attn.k_proj.weight is in the base" in message
 
 
-def test_missing_untied_lm_head_is_refused_not_merged_from_embeddings(
-    family, tmp_path
-):
+def test_missing_untied_lm_head_is_refused_not_merged_from_embeddings(family, tmp_path):
     task = copy_task(family, tmp_path)
     state = load_file(str(task / "model.safetensors"))
     del state["lm_head.weight"]

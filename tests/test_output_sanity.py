@@ -65,7 +65,9 @@ def test_overflow_in_the_output_dtype_is_refused_naming_the_tensor(family, tmp_p
     state["model.layers.1.mlp.up_proj.weight"].view(-1)[5] += 10.0
     save_file(state, str(task / "model.safetensors"), metadata={"format": "pt"})
     config = family.config_dict(
-        "ramplus", tasks=["alpha"], model_parameters={"alpha": {"unique_scale": 60000.0}}
+        "ramplus",
+        tasks=["alpha"],
+        model_parameters={"alpha": {"unique_scale": 60000.0}},
     )
     config["models"][0]["model"] = str(task)
     config["out_dtype"] = "float16"

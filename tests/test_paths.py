@@ -24,7 +24,9 @@ def family(model_family):
 def merge(config: dict, out: Path) -> None:
     with no_weight_reads():
         mergekit_ram.run_merge(
-            MergeConfiguration.model_validate(config), str(out), MergeOptions(quiet=True)
+            MergeConfiguration.model_validate(config),
+            str(out),
+            MergeOptions(quiet=True),
         )
 
 
@@ -68,11 +70,7 @@ def test_same_model_under_two_spellings_is_refused(family, spelling, monkeypatch
     rel = f"{root.name}/{name}"
     config = family.config_dict("ram")
     config["models"].append(
-        {
-            "model": spelling.format(
-                rel=rel, abs=family.paths[name], name=name
-            )
-        }
+        {"model": spelling.format(rel=rel, abs=family.paths[name], name=name)}
     )
     if spelling == "{abs}":  # literally the same string: the older message
         match = "already listed"
@@ -94,11 +92,11 @@ def test_base_under_another_spelling_is_refused(family, tmp_path):
 def test_first_duplicate_and_output_conflict(tmp_path):
     (tmp_path / "a").mkdir()
     assert first_duplicate([("x", str(tmp_path / "a")), ("y", "org/model")]) is None
-    found = first_duplicate(
-        [("x", str(tmp_path / "a")), ("y", f"{tmp_path}/a/../a")]
-    )
+    found = first_duplicate([("x", str(tmp_path / "a")), ("y", f"{tmp_path}/a/../a")])
     assert found is not None and found[1][0] == "y"
-    assert output_conflict(str(tmp_path / "b"), [("model", str(tmp_path / "a"))]) is None
+    assert (
+        output_conflict(str(tmp_path / "b"), [("model", str(tmp_path / "a"))]) is None
+    )
     assert "is the input" in output_conflict(
         f"{tmp_path}/a/.", [("model", str(tmp_path / "a"))]
     )

@@ -1,0 +1,117 @@
+"""What the input-header check and the output finiteness check cost.
+
+Builds (or reuses, --keep) a base Llama of about --params parameters (bf16)
+and three sparse agents, then runs whole `mergekit-ram merge` processes
+(global RAM+, under /usr/bin/time -v), interleaved over --repeats rounds:
+  checks       as shipped
+  no-headers   with the header check replaced by a no-op
+  no-output    with the output finiteness check replaced by a no-op
+and prints each mode's median wall time, peak RSS and ratio to `checks`.
+The header check alone is also timed in-process (median of 20 calls).
+
+    python benchmarks/checks_cost.py --params 110e6 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from statistics_cost import model_shape  # noqa: E402
+
+from mergekit_ram.headers import check_models  # noqa: E402
+from mergekit_ram.synthetic import PAPER_LIKE, build_models, merge_yaml  # noqa: E402
+
+DRIVER = """
+import sys
+import mergekit_ram.method, mergekit_ram.planning, mergekit_ram.validation
+def skip(*args, **kwargs):
+    return None
+if sys.argv[1] == "no-headers":
+    mergekit_ram.validation.check_models = skip
+if sys.argv[1] == "no-output":
+    mergekit_ram.method.finite_output = skip
+    mergekit_ram.planning.finite_output = skip
+from mergekit_ram.cli import main
+main(["merge", *sys.argv[2:]])
+"""
+MODES = ("checks", "no-headers", "no-output")
+
+
+def run(mode: str, config: str, out: str) -> tuple[float, float]:
+    """(wall seconds, peak RSS GiB) of one whole merge process."""
+    shutil.rmtree(out, ignore_errors=True)
+    command = [sys.executable, "-c", DRIVER, mode, config, out, "--quiet"]
+    command += ["--no-write-model-card", "--no-copy-tokenizer"]
+    started = time.perf_counter()
+    done = subprocess.run(
+        ["/usr/bin/time", "-v", *command], capture_output=True, text=True
+    )
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-2000:])
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+    return wall, int(rss.group(1)) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=110e6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", default=None, help="build/reuse models here")
+    args = parser.parse_args()
+    root = args.keep or tempfile.mkdtemp(prefix="ram-checks-")
+    overrides, total = model_shape(args.params)
+    marker = os.path.join(root, "models", "paths.json")
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as handle:
+            paths = json.load(handle)
+    else:
+        paths = build_models(
+            os.path.join(root, "models"), PAPER_LIKE, config_overrides=overrides
+        )
+        with open(marker, "w", encoding="utf-8") as handle:
+            json.dump(paths, handle)
+    print(f"model: {total / 1e6:.0f}M parameters, bf16, 1 base + 3 agents in {root}")
+    config = os.path.join(root, "ramplus.yml")
+    with open(config, "w", encoding="utf-8") as handle:
+        handle.write(merge_yaml(paths, "ramplus"))
+
+    tasks = [(name, path) for name, path in paths.items() if name != "base"]
+    header_times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        check_models(
+            ("base", paths["base"]), tasks, compare=True, vocabulary_free=False
+        )
+        header_times.append(time.perf_counter() - started)
+    print(f"header check alone: {statistics.median(header_times) * 1e3:.1f} ms")
+
+    results = {mode: [] for mode in MODES}
+    for round_index in range(args.repeats):
+        for mode in MODES:
+            wall, rss = run(mode, config, os.path.join(root, f"out-{mode}"))
+            results[mode].append((wall, rss))
+            print(f"round {round_index + 1} {mode:<11} {wall:7.2f} s {rss:5.2f} GiB")
+    baseline = statistics.median(w for w, _ in results["checks"])
+    print(f"\n{'mode':<11} {'median s':>9} {'÷ checks':>9} {'peak GiB':>9}")
+    for mode, values in results.items():
+        median = statistics.median(w for w, _ in values)
+        rss = statistics.median(r for _, r in values)
+        print(f"{mode:<11} {median:9.2f} {median / baseline:9.3f} {rss:9.2f}")
+    if not args.keep:
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
