@@ -14,8 +14,6 @@ The header check alone is also timed in-process (median of 20 calls).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 import shutil
@@ -27,10 +25,10 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from statistics_cost import model_shape  # noqa: E402
+from statistics_cost import arguments, bench_models  # noqa: E402
 
 from mergekit_ram.headers import check_models  # noqa: E402
-from mergekit_ram.synthetic import PAPER_LIKE, build_models, merge_yaml  # noqa: E402
+from mergekit_ram.synthetic import merge_yaml  # noqa: E402
 
 DRIVER = """
 import sys
@@ -65,23 +63,9 @@ def run(mode: str, config: str, out: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=float, default=110e6)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--keep", default=None, help="build/reuse models here")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     root = args.keep or tempfile.mkdtemp(prefix="ram-checks-")
-    overrides, total = model_shape(args.params)
-    marker = os.path.join(root, "models", "paths.json")
-    if os.path.exists(marker):
-        with open(marker, encoding="utf-8") as handle:
-            paths = json.load(handle)
-    else:
-        paths = build_models(
-            os.path.join(root, "models"), PAPER_LIKE, config_overrides=overrides
-        )
-        with open(marker, "w", encoding="utf-8") as handle:
-            json.dump(paths, handle)
+    paths, total = bench_models(root, args.params)
     print(f"model: {total / 1e6:.0f}M parameters, bf16, 1 base + 3 agents in {root}")
     config = os.path.join(root, "ramplus.yml")
     with open(config, "w", encoding="utf-8") as handle:
