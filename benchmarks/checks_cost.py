@@ -7,7 +7,9 @@ and three sparse agents, then runs whole `mergekit-ram merge` processes
   no-headers   with the header check replaced by a no-op
   no-output    with the output finiteness check replaced by a no-op
 and prints each mode's median wall time, peak RSS and ratio to `checks`.
-The header check alone is also timed in-process (median of 20 calls).
+The checks alone are also timed in-process: the header check (median of
+20 calls) and the output check over every tensor of the base (median of 5),
+since on a busy machine the whole-process differences drown in noise.
 
     python benchmarks/checks_cost.py --params 110e6 --repeats 3
 """
@@ -25,9 +27,11 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from safetensors.torch import load_file  # noqa: E402
 from statistics_cost import arguments, bench_models  # noqa: E402
 
 from mergekit_ram.headers import check_models  # noqa: E402
+from mergekit_ram.inputs import finite_output  # noqa: E402
 from mergekit_ram.synthetic import merge_yaml  # noqa: E402
 
 DRIVER = """
@@ -80,6 +84,14 @@ def main() -> None:
         )
         header_times.append(time.perf_counter() - started)
     print(f"header check alone: {statistics.median(header_times) * 1e3:.1f} ms")
+    state = load_file(os.path.join(paths["base"], "model.safetensors"))
+    output_times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for name, tensor in state.items():
+            finite_output(name, tensor, tensor)  # the merge calls it once per tensor
+        output_times.append(time.perf_counter() - started)
+    print(f"output check alone, all tensors: {statistics.median(output_times):.3f} s")
 
     results = {mode: [] for mode in MODES}
     for round_index in range(args.repeats):
