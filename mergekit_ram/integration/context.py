@@ -3,7 +3,8 @@
 The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
 planner hook stores its (settings, statistics, scales) there, the model-card
-hook and `mergekit-ram merge --report` read them back.
+hook and `mergekit-ram merge --report` read them back; the card's hub lookup
+notes there what it could not link.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class MergeRun:
-    """One merge in progress; `result` is None until (and unless) RAM+ counted."""
+    """One merge in progress; `result` is None until (and unless) RAM+ counted.
+
+    `unlinked`: paths the model card could not ask the hub about (offline).
+    """
 
     result: tuple | None = None
+    unlinked: list[str] = field(default_factory=list)
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

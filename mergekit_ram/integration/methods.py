@@ -18,7 +18,7 @@ from mergekit.merge_methods.base import (
 )
 from pydantic import BeforeValidator, Field
 
-from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.checks import finite_inputs, finite_output
 from mergekit_ram.core.counting import TaskCounts
 from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
@@ -110,13 +110,15 @@ class RAMMerge(GroupMergeMethod):
             {entry.id: entry.tensor for entry in tasks},
             nonfinite,
         )
-        return ram_merge_tensor(
+        merged = ram_merge_tensor(
             base,
             [inputs[entry.id] for entry in tasks],
             epsilon=epsilon,
             scales=scales,
             scale_fn=lambda _index, hist: _local_scale(rule, hist),
         )
+        finite_output(group.metadata.name or "tensor", base, merged, None, nonfinite)
+        return merged
 
 
 def _local_scale(rule: ScaleRule, histogram: torch.Tensor) -> float:

@@ -22,15 +22,20 @@ import os
 from typing import Any
 
 import immutables
+from mergekit.common import dtype_from_name
 from mergekit.graph import Task
 from mergekit.io.tasks import FinalizeModel
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from mergekit.plan import MergePlanner
 
-from mergekit_ram.core.checks import check_layout
+from mergekit_ram.core.checks import check_layout, finite_output
 from mergekit_ram.integration.context import current_run
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.results import STATISTICS_FILE, statistics_document
+from mergekit_ram.integration.results import (
+    STATISTICS_FILE,
+    statistics_document,
+    strict_json,
+)
 from mergekit_ram.integration.statistics_pass import count_planned, planned_settings
 
 
@@ -43,20 +48,30 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     and, for a vocabulary axis, pointing to tokenizer_source.
     """
 
+    # The dtype the planner writes this tensor in (mergekit casts when saving).
+    written_dtype: str | None = None
+
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
         base = tensors.get(self.base_model)
-        if base is not None:
-            if not base.is_floating_point():
-                return base
-            weight = self.output_weight
-            check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
-        return super().execute(tensors, **kwargs)
+        if base is None:
+            return super().execute(tensors, **kwargs)
+        if not base.is_floating_point():
+            return base
+        weight = self.output_weight
+        check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
+        merged = super().execute(tensors, **kwargs)
+        # The kernel checked its own result; mergekit casts it only when writing.
+        out_dtype = dtype_from_name(self.written_dtype)
+        if out_dtype is not None and out_dtype != merged.dtype:
+            finite_output(weight.name, base, merged, out_dtype)
+        return merged
 
 
-def as_ram_task(task: ExecuteMergeMethodTask) -> RAMMergeTask:
-    """The same planned merge as a RAMMergeTask."""
+def as_ram_task(task: ExecuteMergeMethodTask, out_dtype: str | None) -> RAMMergeTask:
+    """The same planned merge as a RAMMergeTask, writing `out_dtype`."""
     fields = type(task).model_fields
-    return RAMMergeTask(**{name: getattr(task, name) for name in fields})
+    values = {name: getattr(task, name) for name in fields}
+    return RAMMergeTask(**values, written_dtype=out_dtype)
 
 
 class WriteStatistics(Task[None]):
@@ -117,7 +132,10 @@ def patched_plan(original):
         original(self)
         self._ram_result = None
         if is_ours(self.config.merge_method):
-            self._tensors = [(w, as_ram_task(t)) for w, t in self._tensors]
+            self._tensors = [
+                (w, as_ram_task(t, w.force_dtype or self.config.out_dtype))
+                for w, t in self._tensors
+            ]
             self._ram_result = scale_planned(self)
             run = current_run()
             if run is not None:
@@ -134,7 +152,9 @@ def patched_plan_to_disk(original):
         if result is None:
             return tasks
         finalize = next(t for t in tasks if isinstance(t, FinalizeModel))
-        document = json.dumps(statistics_document(*result), indent=2)
+        document = json.dumps(
+            strict_json(statistics_document(*result)), indent=2, allow_nan=False
+        )
         return tasks + [
             WriteStatistics(out_path=out_path, document=document, finalize=finalize)
         ]
