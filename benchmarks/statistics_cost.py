@@ -54,24 +54,36 @@ def model_shape(params: float) -> dict:
         hidden += 64
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """--params, --repeats and --keep, shared by the benchmarks."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--params", type=float, default=110e6)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", default=None, help="build/reuse models here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def bench_models(root: str, params: float) -> tuple[dict[str, str], int]:
+    """The base and PAPER_LIKE agents under root/models (built once), and the size."""
+    overrides, total = model_shape(params)
+    marker = os.path.join(root, "models", "paths.json")
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as handle:
+            return json.load(handle), total
+    paths = build_models(
+        os.path.join(root, "models"), PAPER_LIKE, config_overrides=overrides
+    )
+    with open(marker, "w", encoding="utf-8") as handle:
+        json.dump(paths, handle)
+    return paths, total
+
+
+def main() -> None:
+    args = arguments(__doc__)
     transformers_logging.disable_progress_bar()
 
     root = args.keep or tempfile.mkdtemp(prefix="ram-bench-")
-    overrides, total = model_shape(args.params)
-    marker = os.path.join(root, "models", "paths.json")
-    if os.path.exists(marker):
-        paths = json.load(open(marker))
-    else:
-        paths = build_models(
-            os.path.join(root, "models"), PAPER_LIKE, config_overrides=overrides
-        )
-        json.dump(paths, open(marker, "w"))
+    paths, total = bench_models(root, args.params)
     print(f"model: {total / 1e6:.0f}M parameters, bf16, 1 base + 3 agents in {root}")
 
     times = {mode: [] for mode in MODES}

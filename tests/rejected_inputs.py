@@ -133,6 +133,26 @@ def _nan(state: dict[str, torch.Tensor]) -> None:
     state["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
 
 
+def _without_lm_head(state: dict[str, torch.Tensor]) -> None:
+    del state["lm_head.weight"]
+
+
+def _linked(ws: Workspace, name: str) -> str:
+    """./NAME-link, a symlink to family model `name`."""
+    link = ws.root / f"{name}-link"
+    if not link.is_symlink():
+        link.symlink_to(ws.family.paths[name])
+    return f"./{link.name}"
+
+
+def _truncated(ws: Workspace, name: str, copy: str) -> str:
+    """A copy of family model `name` as ./copy with its weights cut short."""
+    path = ws.altered(name, copy, lambda state: None)
+    weights = Path(path) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    return path
+
+
 def _extra_token(state: dict[str, torch.Tensor]) -> None:
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         state[name] = torch.cat([state[name], state[name][:1]])
@@ -269,6 +289,32 @@ CASES: tuple[Case, ...] = (
         lambda ws: ws.config(tokenizer_source="./tokenizer"),
         ("tokenizer_source", "does not exist"),
     ),
+    Case(
+        "same-model-two-spellings",
+        "one model twice: its path, and `./alpha-link`, a symlink to it",
+        lambda ws: ws.config(
+            models=ws.models("alpha", "beta", {"model": _linked(ws, "alpha")})
+        ),
+        ("models[2]", "same folder as", "List each model once"),
+    ),
+    Case(
+        "truncated-safetensors",
+        "a task model whose model.safetensors is cut short",
+        lambda ws: ws.config(
+            models=ws.models("alpha", {"model": _truncated(ws, "beta", "cut-beta")})
+        ),
+        ("CWD/cut-beta", "model.safetensors is truncated", "tensor"),
+    ),
+    Case(
+        "missing-lm-head",
+        "a task model without the base's untied `lm_head.weight`",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha", {"model": ws.altered("beta", "headless", _without_lm_head)}
+            )
+        ),
+        ("lm_head.weight", "CWD/headless", "embed_tokens"),
+    ),
     # ---- parameter names
     Case(
         "rescale-factor",
@@ -320,6 +366,18 @@ CASES: tuple[Case, ...] = (
         "`alpha: .inf`",
         lambda ws: ws.config(parameters={"alpha": float("inf")}),
         ("parameters.alpha", "is infinite", "finite number ≥ 0"),
+    ),
+    Case(
+        "empty-list",
+        "`r: []`",
+        lambda ws: ws.config(parameters={"r": []}),
+        ("parameters.r", "empty list", "default"),
+    ),
+    Case(
+        "lambda-overflow",
+        "`r: 1e308` (λ beyond what the output can hold)",
+        lambda ws: ws.config(parameters={"r": 1e308}),
+        ("r = 1e+308", "±Inf", "out_dtype"),
     ),
     Case(
         "text-unique-scale",

@@ -8,6 +8,7 @@ import click
 import pytest
 import reference
 import torch
+import yaml
 from click.testing import CliRunner
 from conftest import read_json
 from mergekit.options import add_merge_options
@@ -90,3 +91,17 @@ def test_merge_refuses_missing_config(tmp_path):
     assert result.exit_code != 0
     assert "missing.yml" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def sanity_family(model_family):
+    return model_family("sanity", seed=61)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_analyze_epsilon_passes_the_yaml_checks(sanity_family, tmp_path, value):
+    path = tmp_path / "c.yml"
+    path.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
+    result = CliRunner().invoke(main, ["analyze", str(path), "--epsilon", value])
+    assert result.exit_code == 2, result.output
+    assert "finite number ≥ 0" in result.output

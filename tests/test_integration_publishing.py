@@ -1,5 +1,5 @@
 """Safety: inputs are checked as they stream and never written, and a merge
-that fails or is killed leaves no output that looks complete.
+that fails or is killed leaves the output folder as it was.
 
 Bad inputs are variants of a tiny family's task model with one tensor
 edited; "late" means a tensor of the last layer, merged after many others.
@@ -33,12 +33,14 @@ from safetensors.torch import load_file, save_file
 
 import mergekit_ram
 import mergekit_ram.integration.methods
+import mergekit_ram.integration.output_folder
 import mergekit_ram.integration.publishing
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.install import patch_run_merge
+from mergekit_ram.integration.output_folder import WEIGHTS
 from mergekit_ram.integration.planner import RAMMergeTask
-from mergekit_ram.integration.publishing import STAGING, WEIGHTS, guarded_run_merge
+from mergekit_ram.integration.publishing import guarded_run_merge
 
 BIN = Path(sys.executable).parent
 LATE = "model.layers.1.mlp.down_proj.weight"
@@ -520,7 +522,7 @@ def test_output_folder_that_is_an_input_is_refused(family):
     assert hashes(family.root) == before
 
 
-# --- a failed or killed merge never looks complete ------------------------------
+# --- a failed or killed merge leaves OUT as it was ------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -541,11 +543,16 @@ def complete_previous(fresh: Path, out: Path) -> None:
     assert COMPLETE <= set(os.listdir(out))
 
 
+def staging_left(out: Path) -> list[str]:
+    """Hidden staging folders or lock files next to `out`."""
+    return [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.")]
+
+
 def assert_rerun_equals_fresh(family, fresh: Path, out: Path) -> None:
     merge(family.config_dict(), out, out_shard_size=SHARDS)
     assert weight_files(out) == weight_files(fresh)
     assert COMPLETE <= set(os.listdir(out))
-    assert STAGING not in os.listdir(out)
+    assert not staging_left(out)
 
 
 def _raise_on_call(monkeypatch, module, name, error, when) -> None:
@@ -580,39 +587,46 @@ FAILURES = {
     "card error": (
         mergekit.merge,
         "generate_card",
-        RuntimeError("hub down"),
+        RuntimeError("card failed"),
         lambda *a: True,
     ),
-    # while publishing, after the shards and the other markers were moved up
+    # while swapping: old files moved aside, the new shards and markers moved
+    # in, then moving the new config.json in fails
     "publish error": (
-        mergekit_ram.integration.publishing.os,
+        mergekit_ram.integration.output_folder.os,
         "replace",
         OSError("disk full"),
-        lambda n, src, dst: dst.endswith("config.json"),
+        lambda n, src, dst: (
+            src.endswith(os.path.join("out", "config.json")) and ".mergekit-ram-" in src
+        ),
     ),
 }
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
-def test_failed_rerun_leaves_nothing_complete(
+def test_failed_rerun_leaves_the_previous_merge_byte_for_byte(
     failure, family, fresh, tmp_path, monkeypatch
 ):
+    """Was: a failed rerun leaves nothing complete (the old merge was deleted
+    first). Now the previous merge stays exactly as it was."""
     out = tmp_path / "out"
     complete_previous(fresh, out)
+    (out / "notes.txt").write_text("mine")
+    before = hashes(out)
     module, name, error, when = FAILURES[failure]
     _raise_on_call(monkeypatch, module, name, error, when)
     with pytest.raises(type(error)):
         merge(family.config_dict(), out, out_shard_size=SHARDS)
     monkeypatch.undo()
-    assert_looks_incomplete(out)
-    assert not weight_files(out) and STAGING not in os.listdir(out)
+    assert hashes(out) == before
+    assert not staging_left(out)
     assert_rerun_equals_fresh(family, fresh, out)
 
 
 DRIVER = """
 import os, sys, time
 import mergekit_ram.integration.methods as method
-import mergekit_ram.integration.publishing as output
+import mergekit_ram.integration.output_folder as publishing
 
 stage, config, out = sys.argv[1:4]
 
@@ -637,11 +651,11 @@ else:
     real_replace = os.replace
 
     def slow_replace(src, dst):
-        if os.path.basename(src) == output.MARKERS[0]:
+        if dst == os.path.join(out, publishing.MARKERS[0]):
             stall()
         return real_replace(src, dst)
 
-    output.os.replace = slow_replace
+    publishing.os.replace = slow_replace
 
 from mergekit.scripts.run_yaml import main
 
@@ -650,17 +664,18 @@ main([config, out, "--out-shard-size", "16000", "--quiet"])
 
 
 @pytest.mark.slow
-def test_killed_merge_looks_incomplete_and_reruns(family, fresh, tmp_path):
-    """SIGKILL mid-merge (shards written) and mid-publish (shards moved up)."""
+def test_killed_merge_leaves_out_or_the_staging_and_reruns(family, fresh, tmp_path):
+    """SIGKILL mid-merge (OUT untouched) and mid-swap (as the README says)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER, encoding="utf-8")
     config = tmp_path / "ramplus.yml"
     config.write_text(family.yaml(), encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    runs = {}
+    runs, before = {}, {}
     for stage in ("merging", "publishing"):
         out = tmp_path / stage
         complete_previous(fresh, out)
+        before[stage] = hashes(out)
         runs[stage] = subprocess.Popen(
             [sys.executable, str(driver), stage, str(config), str(out)],
             env=env,
@@ -677,13 +692,15 @@ def test_killed_merge_looks_incomplete_and_reruns(family, fresh, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=TIMEOUT)
         out = tmp_path / stage
-        assert_looks_incomplete(out)
-        staged = out / STAGING / stage
+        (staging,) = [n for n in staging_left(out) if not n.endswith(".lock")]
         if stage == "merging":
-            assert "model-1.safetensors" in os.listdir(staged)
-            assert not weight_files(out)  # the previous merge's are gone too
-        else:  # the shards were moved up, the index and markers not yet
+            assert hashes(out) == before[stage]  # OUT untouched
+            assert "model-1.safetensors" in os.listdir(out.parent / staging / stage)
+        else:  # old files moved aside, new shards moved in, markers not yet
+            assert_looks_incomplete(out)
             assert set(weight_files(out)) == set(weight_files(fresh)) - COMPLETE
+            aside = out.parent / staging / f".{stage}.previous"
+            assert COMPLETE <= set(os.listdir(aside))
         assert_rerun_equals_fresh(family, fresh, out)
 
 

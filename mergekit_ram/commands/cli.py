@@ -109,6 +109,20 @@ def _shown(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
+def _finite_number(
+    _context: click.Context, parameter: click.Parameter, value: float | None
+) -> float | None:
+    """A number option passes the checks its YAML key does (the method's type)."""
+    from mergekit_ram.integration.methods import METHODS
+    from mergekit_ram.integration.parameter_schema import number_problem
+
+    spec = next(s for s in METHODS[0].spec.parameters if s.name == parameter.name)
+    problem = None if value is None else number_problem(spec, value)
+    if problem:
+        raise click.BadParameter(f"{value!r} {problem}; it must be a finite number ≥ 0")
+    return value
+
+
 def _emit(report: dict, out_dir: str | None) -> None:
     from mergekit_ram.commands.render import render_text
     from mergekit_ram.commands.report_files import write_report
@@ -165,8 +179,9 @@ def merge(
 )
 @click.option(
     "--epsilon",
-    type=click.FloatRange(min=0),
+    type=float,
     default=None,
+    callback=_finite_number,
     help="Change threshold |θ_t − θ₀| > epsilon (default: the config's, or 1e-5).",
 )
 @click.option(

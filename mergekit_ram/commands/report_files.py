@@ -9,6 +9,7 @@ from typing import Any
 
 from mergekit_ram.commands import figures
 from mergekit_ram.commands.render import REPORT_JSON, render_markdown
+from mergekit_ram.integration.results import strict_json
 
 REPORT_MD = "report.md"
 
@@ -18,7 +19,7 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, REPORT_JSON)]
     with open(paths[0], "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
+        json.dump(strict_json(report), handle, indent=2, allow_nan=False)
         handle.write("\n")
     note = None
     if figures.available():

@@ -137,3 +137,34 @@ def finite_inputs(
         # where() promotes to the wider dtype, so the base's value is exact.
         kept[model] = torch.where(usable, tensor, base)
     return kept
+
+
+def finite_output(
+    name: str,
+    base: torch.Tensor,
+    merged: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    nonfinite: str = "refuse",
+) -> None:
+    """Refuse a merged tensor that became non-finite where its base is finite.
+
+    The inputs were checked (or, with `nonfinite: ignore`, a task's bad value
+    replaced by the base's), so such a value comes from λ·τ overflowing the
+    compute or the output dtype; it is a parameter the user must change.
+    """
+    written = merged if out_dtype is None else merged.to(out_dtype)
+    if _all_finite(written):
+        return
+    new = ~torch.isfinite(written) & torch.isfinite(base)
+    count = int(new.sum())
+    if count == 0:
+        return
+    largest = torch.finfo(written.dtype).max
+    hint = "" if nonfinite == "refuse" else " (their finite values)"
+    raise RAMInputError(
+        f"Merged tensor {name} has {count} infinite or NaN values (of "
+        f"{written.numel()}, written as {written.dtype}, largest {largest:g}) "
+        f"where the inputs{hint} are finite: λ·τ overflowed. Lower the merge "
+        "parameters r, alpha or unique_scale, or write a wider dtype "
+        "(out_dtype: float32)."
+    )

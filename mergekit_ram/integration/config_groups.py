@@ -19,6 +19,7 @@ from mergekit.config import (
 )
 
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.paths import first_duplicate, identity
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,25 @@ def check_group(group: Group, user: str) -> None:
                 f"{first.label}. List each model once (the base model may appear "
                 "once among the models)."
             )
+    duplicate = first_duplicate(
+        [("base_model", _spelled(group.base))]
+        + [(s.label, _spelled(s.model)) for s in group.sources if s.model != group.base]
+    )
+    if duplicate is not None:
+        (first, path), (label, again) = duplicate
+        raise RAMInputError(
+            f"{label}: {again} is the same folder as {first} {path} (after "
+            "resolving symlinks and '..'), so it would be counted twice. List "
+            "each model once, spelled the same way everywhere."
+        )
     if all(model == group.base for model in models):
         raise RAMInputError(
             f"{user} needs at least one task model besides the base model "
             f"{group.base} in {group.label}: list the fine-tuned models to merge."
         )
+
+
+def _spelled(reference: ModelReference) -> str:
+    """A reference's path, with its LoRA (a different model when it has one)."""
+    lora = "" if reference.lora is None else f"+{identity(reference.lora.path)}"
+    return reference.model.path + lora

@@ -3,7 +3,8 @@
 The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
 planner hook stores its (settings, statistics, scales) there, the model-card
-hook and `mergekit-ram merge --report` read them back. The survival tally of
+hook and `mergekit-ram merge --report` read them back, and the card's hub
+lookup notes there what it could not link. The survival tally of
 λ (`core.survival`) lives there too: the planner makes it, each merge task
 adds to it, the last task writes it out. Merge tasks may run on worker
 threads (mergekit's --multi-gpu executor), which do not inherit the context;
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mergekit_ram.core.survival import SurvivalTally
 
@@ -23,7 +24,8 @@ from mergekit_ram.core.survival import SurvivalTally
 @dataclass(eq=False)
 class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
-    `tally` None unless some task model's unique elements are rescaled.
+    `tally` None unless some task model's unique elements are rescaled;
+    `unlinked`: paths the model card could not ask the hub about (offline).
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -31,6 +33,7 @@ class MergeRun:
 
     result: tuple | None = None
     tally: SurvivalTally | None = None
+    unlinked: list[str] = field(default_factory=list)
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -2,8 +2,9 @@
 
 mergekit 0.1.5 has no plugin discovery, so this writes into its registry
 table (taking over `ram` on purpose: stock `ram` ignores r/alpha, ours equals
-it at defaults) and wraps two planner methods, the card generator and
-run_merge (which stages RAM merges so a failed one never looks complete). Every
+it at defaults) and wraps two planner methods, the card generator and its hub
+lookup, and run_merge (which publishes RAM merges by swap, so a failed one
+never costs a file). Every
 step is idempotent and checks that the host still looks as expected, failing
 with IncompatibleMergekit otherwise rather than half-working.
 """
@@ -11,12 +12,14 @@ with IncompatibleMergekit otherwise rather than half-working.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from types import ModuleType
 
 import _mergekit_ram_autoload as autoload
 
 SUPPORTED = "mergekit>=0.1.5,<0.2"
+LOG = logging.getLogger(__name__)
 
 
 class IncompatibleMergekit(RuntimeError):
@@ -68,7 +71,9 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section to mergekit's model card."""
+    """Add the RAM+ statistics section to mergekit's model card, and keep its
+    hub lookup from failing a finished RAM merge offline."""
+    from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.planner import statistics_for_card
     from mergekit_ram.integration.results import card_section
 
@@ -78,17 +83,43 @@ def patch_card(merge: ModuleType) -> None:
     if hasattr(original, "__mergekit_ram__"):
         return
 
+    card_module = sys.modules[original.__module__]
+    lookup = getattr(card_module, "is_hf", None)
+    if not callable(lookup):
+        raise _incompatible("mergekit.card.is_hf is missing")
+
+    def is_hf(path: str) -> bool:
+        # Offline, the hub cannot say whether a relative `in/base` is a repo;
+        # a RAM merge is finished by then, so its card names it without a link.
+        try:
+            return lookup(path)
+        except Exception:
+            run = current_run()
+            if run is None:
+                raise  # other methods keep mergekit's behaviour
+            run.unlinked.append(path)
+            return False
+
     def generate_card(config, config_yaml, name=None):
         card = original(config=config, config_yaml=config_yaml, name=name)
+        run = current_run()
+        for path in dict.fromkeys(run.unlinked if run is not None else ()):
+            LOG.warning(
+                "Model card: the hub could not be asked whether %s is a hub "
+                "repository; the card names it without a link.",
+                path,
+            )
         result = statistics_for_card()
         return card if result is None else card + card_section(*result)
 
+    is_hf.__mergekit_ram__ = lookup
     generate_card.__mergekit_ram__ = original
+    card_module.is_hf = is_hf
     merge.generate_card = generate_card
 
 
 def patch_run_merge(merge: ModuleType) -> None:
-    """Make mergekit's run_merge stage RAM merges (`publishing`).
+    """Make mergekit's run_merge check and publish RAM merges (`publishing`).
 
     mergekit's scripts bind `run_merge` when they are imported. The autoload
     hook patches mergekit.merge before any of them can, and a script imported

@@ -19,7 +19,7 @@ from mergekit.merge_methods.base import (
 )
 from pydantic import BeforeValidator, Field
 
-from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.checks import finite_inputs, finite_output
 from mergekit_ram.core.counting import TaskCounts
 from mergekit_ram.core.kernel import UniqueFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
@@ -176,7 +176,7 @@ class RAMMerge(GroupMergeMethod):
             "base": (unique_merge_tensor, {}),
         }[shared]
         ids = [entry.id for entry in tasks]
-        return kernel(
+        merged = kernel(
             base,
             [inputs[i] for i in ids],
             epsilon=epsilon,
@@ -186,6 +186,8 @@ class RAMMerge(GroupMergeMethod):
             on_unique=_survival_counter(_tally(), ids, written),
             **extra,
         )
+        finite_output(group.metadata.name or "tensor", base, merged, None, nonfinite)
+        return merged
 
 
 def _tally() -> SurvivalTally | None:

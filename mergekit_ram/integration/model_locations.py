@@ -3,7 +3,8 @@
 A local model directory must hold weights mergekit can load and a
 config.json; a hub id is accepted online (mergekit downloads it) and, with
 HF_HUB_OFFLINE=1, refused with the cached snapshot's directory to use instead.
-Reads at most a directory listing.
+Reads at most a directory listing, then (`check_headers`) each local
+checkpoint's headers and index, a few kilobytes per file.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
 
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.headers import check_models
 from mergekit_ram.integration.config_groups import Group
 
 # What mergekit's ShardedTensorIndex.from_disk looks for in a model directory.
@@ -88,6 +91,35 @@ def check_location(
             "loading weights, which HF_HUB_OFFLINE=1 forbids. Write the cached "
             f"snapshot's directory instead: {snapshot}"
         )
+
+
+def check_headers(
+    config: MergeConfiguration, groups: list[Group], options: MergeOptions | None
+) -> None:
+    """Every local input's checkpoint headers; for `models:` lists also each
+    task model against the base (slices may differ by layer range)."""
+    vocabulary_free = bool(
+        config.tokenizer_source
+        or config.tokenizer
+        or (options is not None and options.unsafe_truncate_embeddings)
+    )
+    for group in groups:
+        tasks = [
+            (f"{s.label}.model", s.model.model.path)
+            for s in group.sources
+            if s.model != group.base and _local(s.model)
+        ]
+        if group.base is not None and _local(group.base):
+            check_models(
+                ("base_model", group.base.model.path),
+                tasks,
+                compare=group.adds_base,
+                vocabulary_free=vocabulary_free,
+            )
+
+
+def _local(reference: ModelReference) -> bool:
+    return reference.lora is None and os.path.isdir(reference.model.path)
 
 
 def _check_model_directory(path: str, role: str) -> None:

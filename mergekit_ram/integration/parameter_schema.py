@@ -4,7 +4,9 @@ mergekit 0.1.5 ignores parameter names it does not know and checks values
 only while planning (with a pydantic traceback). Here every key is checked
 against the method's ParameterSpecs (name, scope) and every value against its
 own pydantic type, the one definition of what is allowed, reformatted into
-one paragraph naming the key and the fix.
+one paragraph naming the key and the fix. The λ those values allow must
+also fit the output dtype (`check_output_range`); the command-line numbers
+pass the same `number_problem`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, get_args, get_origin
 
-from mergekit.config import ConditionalParameter
+import torch
+from mergekit.common import dtype_from_name
+from mergekit.config import ConditionalParameter, MergeConfiguration
 from mergekit.merge_methods.base import ParameterScope, ParameterSpec
 from pydantic import ValidationError
 
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.settings import SCALAR_KEYS, one_value_error, unique_scale_error
 from mergekit_ram.integration.config_groups import Block, Group
 from mergekit_ram.integration.methods import PARAMETER_HELP, RAMMerge
@@ -39,6 +44,12 @@ def check_parameters(groups: list[Group], method: RAMMerge) -> None:
             if spec is None:
                 raise _unknown(block, key, name, specs)
             _check_scope(block, spec)
+            if _empty(setting):
+                raise RAMInputError(
+                    f"{block.where(key)}: an empty list gives {key} no value, "
+                    "and mergekit would silently use the default. Write a value "
+                    "or remove the key."
+                )
             for value in _leaves(setting):
                 _check_value(block, spec, value)
     _check_one_value(groups, specs)
@@ -98,6 +109,15 @@ def _leaves(setting: Any) -> Iterator[Any]:
         yield setting
 
 
+def _empty(setting: Any) -> bool:
+    """An empty list anywhere in a setting (a gradient or filter value)."""
+    if isinstance(setting, ConditionalParameter):
+        return _empty(setting.value)
+    if isinstance(setting, list):
+        return not setting or any(_empty(item) for item in setting)
+    return False
+
+
 def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
     choices = _choices(spec)
     if choices:
@@ -109,7 +129,7 @@ def _check_value(block: Block, spec: ParameterSpec, value: Any) -> None:
             )
         return
     upper = _upper_bound(spec)
-    problem = _number_problem(spec, value, upper)
+    problem = number_problem(spec, value)
     if problem:
         limits = "≥ 0" if upper is None else f"between 0 and {upper:g}"
         raise RAMInputError(
@@ -134,7 +154,7 @@ def _choices(spec: ParameterSpec) -> tuple[str, ...]:
     return ()
 
 
-def _number_problem(spec: ParameterSpec, value: Any, upper: float | None) -> str:
+def number_problem(spec: ParameterSpec, value: Any) -> str:
     """Why the parameter's own type refuses `value`, in our words ('' if not)."""
     try:
         spec.validate(value)
@@ -145,10 +165,46 @@ def _number_problem(spec: ParameterSpec, value: Any, upper: float | None) -> str
     if kind == "greater_than_equal":
         return "is negative"
     if kind == "less_than_equal":
-        return f"is above {upper:g}"
+        return f"is above {_upper_bound(spec):g}"
     if kind == "finite_number":
         return "is NaN" if math.isnan(float(value)) else "is infinite"
     return "is not a number"
+
+
+def check_output_range(
+    config: MergeConfiguration, groups: list[Group], method: RAMMerge
+) -> None:
+    """λ must fit the output dtype (and float32, the kernel's): a λ beyond it
+    turns every unique element into ±Inf."""
+    name = config.out_dtype or config.dtype or "float32"
+    dtype = dtype_from_name(name)
+    if not dtype.is_floating_point:
+        return
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+    specs = {spec.name: spec for spec in method.spec.parameters}
+    values = {
+        key: set().union(*(_possible(specs[key], g.blocks) for g in groups))
+        for key in ("r", "alpha", "saturation")
+    }
+    candidates = []
+    for r in values["r"]:
+        for alpha in values["alpha"]:
+            for saturation in values["saturation"]:
+                rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+                candidates.append((rule.limit(), f"r = {r:g} with alpha = {alpha:g}"))
+    for group in groups:
+        for source in group.sources:
+            blocks = (source.block, *group.blocks)
+            for scale in _possible(specs["unique_scale"], blocks) - {None}:
+                candidates.append((scale, f"unique_scale = {scale:g} ({source.model})"))
+    for scale, origin in candidates:
+        if scale > limit:
+            raise RAMInputError(
+                f"{origin} allows λ up to {scale:g}, beyond the largest {name} "
+                f"value the output can hold ({limit:g}): every element that "
+                "one task model alone changes would be written as ±Inf. Lower "
+                "r, alpha or unique_scale, or write a wider dtype (out_dtype)."
+            )
 
 
 def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:

@@ -39,6 +39,7 @@ from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.results import (
     STATISTICS_FILE,
     statistics_document,
+    strict_json,
     with_survival,
 )
 from mergekit_ram.integration.statistics_pass import count_planned, planned_settings
@@ -102,7 +103,7 @@ class WriteStatistics(Task[None]):
             with open(
                 os.path.join(self.out_path, STATISTICS_FILE), "w", encoding="utf-8"
             ) as handle:
-                json.dump(document, handle, indent=2)
+                json.dump(strict_json(document), handle, indent=2, allow_nan=False)
         if tally.lost():
             LOG.warning(tally.warning())
 

@@ -67,6 +67,18 @@ def with_survival(document: dict[str, Any], tally: SurvivalTally) -> dict[str, A
     return document
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float as None, so json.dumps(...,
+    allow_nan=False) writes standard JSON (`null`) instead of Infinity / NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,

@@ -2,12 +2,13 @@
 
 mergekit 0.1.5 checks parameter values only while planning (after every
 checkpoint's index was opened) and lets a missing model fail deep inside
-transformers or the hub client. These checks read at most a directory
-listing, so the first problem a user must fix is reported as one
-RAMInputError paragraph before the merge starts: the groups' structure
-(`config_groups`), the model locations (`model_locations`), then the
-parameters (`parameter_schema`). They are pure and cheap: every entry point
-may call them; the run_merge wrapper calls `validate_config`.
+transformers or the hub client. These checks read directory listings and
+the checkpoints' headers (a few kilobytes per file), so the first problem a
+user must fix is reported as one RAMInputError paragraph before the merge
+starts: the groups' structure (`config_groups`), the model locations
+(`model_locations`), the parameters (`parameter_schema`), then every input's
+headers. They are cheap: every entry point may call them; the run_merge
+wrapper calls `validate_config`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from mergekit.options import MergeOptions
 from mergekit_ram.integration.config_groups import check_group, groups
 from mergekit_ram.integration.methods import METHODS, is_ours
 from mergekit_ram.integration.model_locations import (
+    check_headers,
     check_location,
     check_reference,
     model_references,
 )
-from mergekit_ram.integration.parameter_schema import check_parameters
+from mergekit_ram.integration.parameter_schema import (
+    check_output_range,
+    check_parameters,
+)
 
 
 def validate_config(
@@ -67,3 +72,5 @@ def _validate(
     if is_ours(config.merge_method):
         method = next(m for m in METHODS if m.spec.name == config.merge_method)
         check_parameters(found, method)
+        check_output_range(config, found, method)
+    check_headers(config, found, options)

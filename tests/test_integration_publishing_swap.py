@@ -1,0 +1,248 @@
+"""A RAM merge never costs the user a file (publishing, output_folder, the card).
+
+Issue findings 1-5 and 11, each reproduced as a new user would hit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import mergekit_ram.integration.output_folder
+from mergekit_ram.commands.cli import main
+
+TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def family(model_family):
+    return model_family("publishing", seed=31)
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def leftovers(out: Path) -> list[str]:
+    return [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.")]
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def previous(family, tmp_path_factory) -> Path:
+    """A finished RAM merge, with a user's notes file next to it."""
+    out = tmp_path_factory.mktemp("previous") / "out"
+    config = write_config(out.parent / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    (out / "notes.txt").write_text("mine")
+    return out
+
+
+def copy_of(previous: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(previous, out)
+    return out
+
+
+# --- 1. the offline card with a hub-like relative path ---------------------------
+
+
+def test_relative_one_slash_path_offline_keeps_card_and_merge(
+    family, previous, tmp_path, monkeypatch, caplog
+):
+    """`base_model: in/base` from a cwd where in/base exists, HF_HUB_OFFLINE=1
+    (set by conftest before the hub client was imported)."""
+    (tmp_path / "in").mkdir()
+    for name, path in family.paths.items():
+        os.symlink(path, tmp_path / "in" / name)
+    config = family.config_dict("ram")
+    config["base_model"] = "in/base"
+    config["models"] = [{"model": f"in/{t}"} for t in family.tasks]
+    write_config(tmp_path / "ram.yml", config)
+    out = copy_of(previous, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["merge", "ram.yml", "out", "--quiet"])
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "in/base" in card and "huggingface.co/in/base" not in card
+    assert "names it without a link" in caplog.text
+    assert (out / "config.json").is_file() and (out / "notes.txt").exists()
+
+
+def test_card_lookup_is_forgiven_only_inside_a_ram_merge(tmp_path, monkeypatch):
+    """Offline, mergekit's is_hf raises for an existing `in/base`; other
+    methods keep that behaviour, a RAM merge notes the path and goes on."""
+    import mergekit.card
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    from mergekit_ram.integration.context import merge_run
+
+    (tmp_path / "in" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert hasattr(mergekit.card.is_hf, "__mergekit_ram__")
+    with pytest.raises(OfflineModeIsEnabled):
+        mergekit.card.is_hf("in/base")
+    with merge_run() as run:
+        assert mergekit.card.is_hf("in/base") is False
+    assert run.unlinked == ["in/base"]
+
+
+# --- 2. a failing rerun keeps the previous merge, recipe included ----------------
+
+
+def test_failing_rerun_of_outs_own_recipe_keeps_everything(family, previous, tmp_path):
+    out = copy_of(previous, tmp_path)
+    before = hashes(out)
+    recipe = yaml.safe_load((out / "mergekit_config.yml").read_text())
+    recipe["parameters"] = {"nonfinite": "refuse"}
+    # A NaN found while streaming: one task model replaced by a poisoned copy.
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(family.paths["beta"], poisoned)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(poisoned / "model.safetensors"))
+    state["model.layers.1.mlp.down_proj.weight"].view(-1)[3] = float("nan")
+    save_file(state, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    recipe["models"][1]["model"] = str(poisoned)
+    (out / "mergekit_config.yml").write_text(yaml.safe_dump(recipe))
+    before = hashes(out)
+    result = CliRunner().invoke(
+        main, ["merge", str(out / "mergekit_config.yml"), str(out), "--quiet"]
+    )
+    assert result.exit_code == 2 and "NaN" in result.output
+    assert hashes(out) == before
+    assert not leftovers(out)
+
+
+# --- 3. --no-write-model-card keeps a user's README.md --------------------------
+
+
+def test_no_card_keeps_users_readme(family, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("my notes")
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(
+        main, ["merge", str(config), str(out), "--no-write-model-card", "--quiet"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (out / "README.md").read_text() == "my notes"
+    assert (out / "config.json").is_file()
+
+
+# --- 4. two merges into one OUT at once -----------------------------------------
+
+
+def test_second_concurrent_merge_fails_at_once_and_first_succeeds(family, tmp_path):
+    """A real second process holds OUT (as a merge in progress does)."""
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            # Loaded by path: standard library only, starts in a blink.
+            "import importlib.util, sys, time\n"
+            "spec = importlib.util.spec_from_file_location('p', sys.argv[2])\n"
+            "publishing = sys.modules['p'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(publishing)\n"
+            "def write(staged):\n"
+            "    print('WRITING', flush=True); time.sleep(600)\n"
+            "publishing.staged_merge(sys.argv[1], write)\n",
+            str(out),
+            mergekit_ram.integration.output_folder.__file__,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "WRITING", holder.stderr.read()
+        second = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+        assert holder.poll() is None  # refused while the first still runs
+        assert second.exit_code == 2, second.output
+        assert "Another merge is writing into" in second.output
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        holder.communicate(timeout=TIMEOUT)
+    assert holder.returncode == 128 + signal.SIGTERM
+    assert not out.exists() and not leftovers(out)
+    first = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert first.exit_code == 0, first.output
+    assert (out / "config.json").is_file() and not leftovers(out)
+
+
+# --- 5. SIGTERM -------------------------------------------------------------------
+
+
+STALLING_MERGE = """
+import sys, time
+import mergekit_ram.integration.methods as method
+real = method.ram_merge_tensor
+calls = [0]
+def slow(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 6:
+        print("STALLED", flush=True)
+        time.sleep(600)
+    return real(*args, **kwargs)
+method.ram_merge_tensor = slow
+from mergekit_ram.commands.cli import main
+main(["merge", sys.argv[1], sys.argv[2], "--quiet"])
+"""
+
+
+@pytest.mark.slow  # a whole merge in a fresh process
+def test_sigterm_mid_merge_leaves_out_as_it_was(family, previous, tmp_path):
+    out = copy_of(previous, tmp_path)
+    before = hashes(out)
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STALLING_MERGE, str(config), str(out)],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    if line.strip() != "STALLED":
+        proc.kill()
+        raise AssertionError(line + proc.communicate()[1])
+    assert leftovers(out)  # the staging folder and the lock exist while it runs
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert hashes(out) == before
+    assert not leftovers(out)
+
+
+# --- 11. an OUT that is a file; a new OUT after a failure --------------------------
+
+
+def test_out_that_is_a_file_is_refused_untouched(family, tmp_path):
+    out = tmp_path / "out"
+    out.write_text("a file")
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "is a file, not a folder" in result.output
+    assert out.read_text() == "a file"
+    assert sorted(os.listdir(tmp_path)) == ["out", "ram.yml"]
