@@ -17,33 +17,57 @@ import torch
 ScaleFn = Callable[[int, torch.Tensor], float]
 
 
-def task_vector(task: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
-    """τ = θ_t − θ₀ in float32 (a fresh tensor; the inputs are untouched)."""
-    return task.to(dtype=torch.float32) - base32
+def task_vector_into(
+    out: torch.Tensor, task: torch.Tensor, base32: torch.Tensor
+) -> torch.Tensor:
+    """τ = θ_t − θ₀ in float32, written into `out` (the inputs are untouched).
+
+    Half-precision and float32 inputs widen exactly inside the subtraction;
+    wider ones are rounded to float32 first, so τ is the same whatever the
+    stored dtype's width.
+    """
+    if task.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        task = task.to(dtype=torch.float32)
+    return torch.sub(task, base32, out=out)
 
 
-def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """m = |τ| > ε, strict and absolute."""
-    return tau.abs() > epsilon
+def change_masks(
+    base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+) -> list[torch.Tensor]:
+    """m_t = |τ_t| > ε (strict, absolute) per task, via one reused float32 buffer."""
+    scratch = torch.empty_like(base32)
+    masks = []
+    for task in tasks:
+        task_vector_into(scratch, task, base32).abs_()
+        masks.append(torch.gt(scratch, epsilon))
+    return masks
+
+
+def count_masks(masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """c_i: how many masks are set at element i (uint8 up to 255 masks)."""
+    dtype = torch.uint8 if len(masks) < 256 else torch.int32
+    counts = torch.zeros(masks[0].shape, dtype=dtype, device=masks[0].device)
+    for mask in masks:
+        counts += mask
+    return counts
 
 
 def overlap_counts(
     base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> torch.Tensor:
     """c_i: how many task models change element i."""
-    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
-    for task in tasks:
-        counts += change_mask(task_vector(task, base32), epsilon)
-    return counts
+    return count_masks(change_masks(base32, tasks, epsilon))
 
 
 def task_histogram(
     counts: torch.Tensor, mask: torch.Tensor, num_tasks: int
 ) -> torch.Tensor:
     """Entry k: this task's changed elements that exactly k other tasks change too."""
-    return torch.bincount(
-        (counts[mask] - 1).to(torch.int64).flatten(), minlength=num_tasks
-    )[:num_tasks].cpu()
+    # Elements outside the mask land in bin 0, which is dropped.
+    masked = (counts * mask).flatten()
+    if masked.dtype != torch.uint8:
+        masked = masked.to(torch.int64)
+    return torch.bincount(masked, minlength=num_tasks + 1)[1 : num_tasks + 1].cpu()
 
 
 def ram_merge_tensor(
@@ -61,25 +85,38 @@ def ram_merge_tensor(
     order as stock mergekit does, so λ = 1 reproduces it bit for bit). A task
     whose scale is None gets `scale_fn(index, histogram)` from this tensor's
     own counts (the tensor-local statistics scope).
+
+    Each mask is computed once; τ is recomputed into one reused buffer and
+    every step runs in place, so the float32 working set is a few copies of
+    the tensor. Dividing a unique element's τ by its count of 1 is exact, so
+    τ/c followed by ×λ on unique elements equals the rule's two branches.
     """
     if len(scales) != len(tasks):
         raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
     if not tasks:
         return base.clone()
     base32 = base.to(dtype=torch.float32)
-    counts = overlap_counts(base32, tasks, epsilon)
-    divisor = counts.clamp(min=1).to(torch.float32)
+    masks = change_masks(base32, tasks, epsilon)
+    counts = count_masks(masks)
+    divisor = counts.clamp(min=1)
     unique = counts == 1
     # -0.0 is the additive identity: an unchanged -0.0 keeps its sign bit.
+    negative_zero = torch.tensor(-0.0, device=base32.device)
+    one = torch.tensor(1.0, device=base32.device)
     delta = torch.full_like(base32, -0.0)
-    for index, (task, scale) in enumerate(zip(tasks, scales)):
-        tau = task_vector(task, base32)
-        mask = change_mask(tau, epsilon)
+    tau = torch.empty_like(base32)
+    factor = None
+    for index, (task, mask, scale) in enumerate(zip(tasks, masks, scales)):
         if scale is None:
             if scale_fn is None:
                 raise ValueError(f"no scale for task {index} and no scale_fn")
             scale = scale_fn(index, task_histogram(counts, mask, len(tasks)))
-        contribution = torch.where(unique, tau * scale, tau / divisor)
-        delta += torch.where(mask, contribution, -0.0)
-        del tau, mask, contribution
-    return (base32 + delta).to(dtype=base.dtype)
+        task_vector_into(tau, task, base32).div_(divisor)
+        if scale != 1.0:
+            factor = torch.empty_like(base32) if factor is None else factor
+            lam = torch.tensor(scale, dtype=torch.float32, device=base32.device)
+            tau.mul_(torch.where(unique, lam, one, out=factor))
+        delta += torch.where(mask, tau, negative_zero, out=tau)
+        masks[index] = None
+    del masks, counts, divisor, unique, factor, tau
+    return torch.add(base32, delta, out=delta).to(dtype=base.dtype)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mergekit_ram.inputs import check_layout, finite_inputs
-from mergekit_ram.kernel import change_mask, task_histogram, task_vector
+from mergekit_ram.kernel import change_masks, count_masks, task_histogram
 from mergekit_ram.scale import ScaleRule
 
 
@@ -34,11 +34,10 @@ def tensor_overlaps(
     The diagonal is each task's changed count. Every mask is computed once and
     kept as bool (one byte per element and task) for this tensor only.
     """
-    base32 = base.to(dtype=torch.float32)
-    masks = [change_mask(task_vector(task, base32), epsilon) for task in tasks]
-    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
-    for mask in masks:
-        counts += mask
+    masks = change_masks(base.to(dtype=torch.float32), tasks, epsilon)
+    if len(masks) <= JOINT_LIMIT:
+        return _from_joint(masks)
+    counts = count_masks(masks)
     rows = [task_histogram(counts, mask, len(tasks)).tolist() for mask in masks]
     pairs = [[0] * len(tasks) for _ in tasks]
     for s, mask in enumerate(masks):
@@ -47,7 +46,37 @@ def tensor_overlaps(
             pairs[s][t] = pairs[t][s] = int(
                 torch.count_nonzero(torch.logical_and(mask, masks[t]))
             )
-    del masks, counts
+    return rows, pairs
+
+
+# Up to this many tasks, one byte per element holds which tasks change it.
+JOINT_LIMIT = 8
+
+
+def _from_joint(
+    masks: Sequence[torch.Tensor],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """tensor_overlaps' counts from one histogram of the masks' joint pattern.
+
+    Bit t of an element's pattern says whether task t changes it; how many
+    elements show each of the 2^N patterns determines every task's k-way
+    histogram and every pairwise intersection, for one pass over a byte per
+    element instead of one per task and pair.
+    """
+    n = len(masks)
+    pattern = torch.zeros(masks[0].shape, dtype=torch.uint8, device=masks[0].device)
+    bit = torch.empty_like(pattern)
+    for t, mask in enumerate(masks):
+        pattern += torch.bitwise_left_shift(mask, t, out=bit) if t else mask
+    joint = torch.bincount(pattern.flatten(), minlength=1 << n).tolist()
+    rows = [[0] * n for _ in range(n)]
+    pairs = [[0] * n for _ in range(n)]
+    for code, elements in enumerate(joint):
+        members = [t for t in range(n) if code >> t & 1]
+        for s in members:
+            rows[s][len(members) - 1] += elements
+            for t in members:
+                pairs[s][t] += elements
     return rows, pairs
 
 
