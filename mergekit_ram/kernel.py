@@ -22,13 +22,11 @@ def task_vector_into(
 ) -> torch.Tensor:
     """τ = θ_t − θ₀ in float32, written into `out` (the inputs are untouched).
 
-    Half-precision and float32 inputs widen exactly inside the subtraction;
-    wider ones are rounded to float32 first, so τ is the same whatever the
-    stored dtype's width.
+    The task is rounded to float32 first (exact for half precision), then the
+    base subtracted; copying first is several times faster on CPU than a
+    mixed-dtype subtraction and gives the same bits.
     """
-    if task.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        task = task.to(dtype=torch.float32)
-    return torch.sub(task, base32, out=out)
+    return out.copy_(task).sub_(base32)
 
 
 def change_masks(
@@ -48,7 +46,8 @@ def count_masks(masks: Sequence[torch.Tensor]) -> torch.Tensor:
     dtype = torch.uint8 if len(masks) < 256 else torch.int32
     counts = torch.zeros(masks[0].shape, dtype=dtype, device=masks[0].device)
     for mask in masks:
-        counts += mask
+        # A bool tensor viewed as bytes adds far faster than one promoted.
+        counts += mask.view(torch.uint8) if dtype == torch.uint8 else mask
     return counts
 
 
@@ -98,7 +97,8 @@ def ram_merge_tensor(
     base32 = base.to(dtype=torch.float32)
     masks = change_masks(base32, tasks, epsilon)
     counts = count_masks(masks)
-    divisor = counts.clamp(min=1)
+    # float32: dividing by an integer tensor is several times slower.
+    divisor = counts.clamp(min=1).to(torch.float32)
     unique = counts == 1
     # -0.0 is the additive identity: an unchanged -0.0 keeps its sign bit.
     negative_zero = torch.tensor(-0.0, device=base32.device)

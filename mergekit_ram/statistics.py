@@ -65,9 +65,8 @@ def _from_joint(
     """
     n = len(masks)
     pattern = torch.zeros(masks[0].shape, dtype=torch.uint8, device=masks[0].device)
-    bit = torch.empty_like(pattern)
     for t, mask in enumerate(masks):
-        pattern += torch.bitwise_left_shift(mask, t, out=bit) if t else mask
+        pattern.add_(mask.view(torch.uint8), alpha=1 << t)
     joint = torch.bincount(pattern.flatten(), minlength=1 << n).tolist()
     rows = [[0] * n for _ in range(n)]
     pairs = [[0] * n for _ in range(n)]
