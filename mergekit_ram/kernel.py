@@ -29,6 +29,7 @@ def task_vector_into(
     return out.copy_(task).sub_(base32)
 
 
+@torch.no_grad()
 def change_masks(
     base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> list[torch.Tensor]:
@@ -69,6 +70,9 @@ def task_histogram(
     return torch.bincount(masked, minlength=num_tasks + 1)[1 : num_tasks + 1].cpu()
 
 
+# No autograd: weights that require grad (module inputs) merge as plain data,
+# and the in-place steps with out= would otherwise be refused.
+@torch.no_grad()
 def ram_merge_tensor(
     base: torch.Tensor,
     tasks: Sequence[torch.Tensor],
