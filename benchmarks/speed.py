@@ -282,14 +282,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--methods", nargs="+", default=list(METHODS), choices=list(METHODS)
     )
     parser.add_argument("--cuda", action="store_true", help="pass --cuda to merges")
-    parser.add_argument("--workdir", help="models and outputs (default: a temp dir)")
-    parser.add_argument("--keep", action="store_true", help="keep the workdir")
+    parser.add_argument(
+        "--workdir",
+        help="build (and reuse) the models here and keep them; default: a "
+        "temporary folder, removed at the end unless --keep",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temp folder")
     parser.add_argument("--output", help="also write the markdown here")
     args = parser.parse_args(argv)
     methods = list(dict.fromkeys([BASELINE, *args.methods]))
     os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     workdir = args.workdir or tempfile.mkdtemp(prefix="ram-speed-")
-    os.makedirs(workdir, exist_ok=True)
+    # Configs and merge outputs go to a folder of our own, whatever is there.
+    scratch = tempfile.mkdtemp(prefix="runs-", dir=workdir)
     report = [
         f"`python benchmarks/speed.py {' '.join(argv or sys.argv[1:])}` "
         f"({os.cpu_count()} CPUs{', --cuda' if args.cuda else ''}); medians of "
@@ -303,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results: dict[str, list[Run]] = {m: [] for m in methods}
                 for round_index in range(args.rounds):
                     for name in methods:
-                        run = run_once(name, paths, workdir, args.cuda)
+                        run = run_once(name, paths, scratch, args.cuda)
                         results[name].append(run)
                         print(
                             f"{size} x{agents} round {round_index + 1} {name:<24} "
@@ -318,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     *table(results),
                 ]
     finally:
-        if not args.keep:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not (args.keep or args.workdir):
             shutil.rmtree(workdir, ignore_errors=True)
     text = "\n".join(report) + "\n"
     print("\n" + text)
