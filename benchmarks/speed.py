@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -298,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Configs and merge outputs go to a folder of our own, whatever is there.
     scratch = tempfile.mkdtemp(prefix="runs-", dir=workdir)
     report = [
-        f"`python benchmarks/speed.py {' '.join(argv or sys.argv[1:])}` "
+        f"`python benchmarks/speed.py {shlex.join(argv or sys.argv[1:])}` "
         f"({os.cpu_count()} CPUs{', --cuda' if args.cuda else ''}); medians of "
         f"{args.rounds} interleaved rounds, `dtype: bfloat16`.",
     ]
