@@ -86,7 +86,7 @@ def task_histogram(
     return torch.bincount(masked, minlength=num_tasks + 1)[1 : num_tasks + 1].cpu()
 
 
-# Elements per step when λ is applied, so its factor needs no full-size buffer.
+# Elements per step when λ is applied, so its scaled copy needs no full-size buffer.
 _CHUNK = 1 << 20
 
 
@@ -186,9 +186,6 @@ def _scale_unique(tau: torch.Tensor, unique: torch.Tensor, scale: float) -> None
     """τ ×= λ where `unique` (τ and `unique` contiguous), a chunk at a time."""
     flat, chosen = tau.view(-1), unique.view(-1)
     lam = torch.tensor(scale, dtype=torch.float32, device=tau.device)
-    one = torch.ones((), dtype=torch.float32, device=tau.device)
-    factor = torch.empty_like(flat[:_CHUNK])
     for start in range(0, flat.numel(), _CHUNK):
         part = flat[start : start + _CHUNK]
-        step = factor[: part.numel()]
-        part.mul_(torch.where(chosen[start : start + _CHUNK], lam, one, out=step))
+        torch.where(chosen[start : start + _CHUNK], part * lam, part, out=part)
