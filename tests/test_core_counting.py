@@ -11,6 +11,7 @@ from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
+    JOINT_LIMIT,
     OverlapStatistics,
     TaskCounts,
     group_tensors,
@@ -47,6 +48,18 @@ def test_tensor_overlap_histograms_equal_reference(n, dtype):
     _, _, _, hist = reference_stats(*as_dicts(base, tasks))
     assert rows == hist
     assert all(len(row) == n for row in rows)
+
+
+@pytest.mark.parametrize("n", [JOINT_LIMIT, JOINT_LIMIT + 1])
+def test_joint_and_pairwise_counting_agree_with_reference(n):
+    # Up to JOINT_LIMIT tasks the counts come from one histogram of the masks'
+    # joint pattern, above it from per-task histograms and pairwise ands.
+    densities = [0.1 + 0.08 * t for t in range(n)]
+    base, tasks = cast(*sparse_tasks((9, 13), densities, seed=n), torch.bfloat16)
+    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
+    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+    assert rows == reference.csu(per_tensor, n)[3]
+    assert pairs == reference.intersections(per_tensor, n)
 
 
 def test_worked_example_counts():

@@ -26,3 +26,24 @@ def test_tally_warns_only_when_mostly_lost():
     assert tally.lost()
     assert "7 of 20" in tally.warning() and "bfloat16" in tally.warning()
     assert not SurvivalTally().lost()
+
+
+def test_survivors_over_sparse_and_dense_chunks_equal_elementwise():
+    # Chunks of every kind: empty, sparse (gathered) and dense (computed
+    # whole), in a (rows, cols) tensor spanning several chunks.
+    from mergekit_ram.core import survival
+
+    generator = torch.Generator().manual_seed(3)
+    size = survival._CHUNK
+    density = torch.cat(
+        [torch.zeros(size), torch.full((size,), 0.05), torch.full((size + 74,), 0.9)]
+    )
+    rescaled = (torch.rand(density.shape, generator=generator) < density).view(-1, 7)
+    base32 = torch.randn(rescaled.shape, generator=generator)
+    tau = torch.randn(rescaled.shape, generator=generator) * 0.01
+    for dtype in (torch.bfloat16, torch.float16):
+        scaled = (base32 + tau * 1.1).to(dtype)
+        plain = (base32 + tau).to(dtype)
+        expected = int(((scaled != plain) & rescaled).sum())
+        assert 0 < expected < int(rescaled.sum())
+        assert survivors(base32, tau, rescaled, 1.1, dtype) == expected

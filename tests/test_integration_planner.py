@@ -486,3 +486,39 @@ def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
     rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
     expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
     assert_same_state(merged_state(out), expected)
+
+
+@pytest.mark.parametrize(
+    "method, parameters, merge_checks",
+    [
+        ("ramplus", dict(CASES["clip"]), False),
+        ("ramplus", {**CASES["clip"], "nonfinite": "ignore"}, True),
+        ("ramplus", {**CASES["clip"], "statistics": "tensor"}, True),
+        ("ram", {}, True),
+    ],
+)
+def test_nan_check_runs_once(
+    method, parameters, merge_checks, family_f32, tmp_path, monkeypatch
+):
+    # Under refuse the statistics pass's check stands for the merge's; without
+    # a pass, or under ignore (which replaces values), the merge checks.
+    import mergekit_ram.integration.methods as methods
+
+    calls = {"pass": 0, "merge": 0}
+
+    def counting(where, original):
+        def check(*args, **kwargs):
+            calls[where] += 1
+            return original(*args, **kwargs)
+
+        return check
+
+    stats = mergekit_ram.integration.statistics_pass
+    monkeypatch.setattr(stats, "finite_inputs", counting("pass", stats.finite_inputs))
+    monkeypatch.setattr(
+        methods, "finite_inputs", counting("merge", methods.finite_inputs)
+    )
+    run(family_f32.yaml(method, parameters=parameters), tmp_path / "out")
+    has_pass = method == "ramplus" and parameters.get("statistics") != "tensor"
+    assert (calls["pass"] > 0) == has_pass
+    assert (calls["merge"] > 0) == merge_checks

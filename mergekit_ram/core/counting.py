@@ -16,12 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mergekit_ram.core.checks import check_layout
-from mergekit_ram.core.kernel import (
-    change_mask,
-    count_changes,
-    task_histogram,
-    task_vector,
-)
+from mergekit_ram.core.kernel import change_masks, count_masks, task_histogram
 from mergekit_ram.core.scale import ScaleRule
 
 
@@ -37,8 +32,10 @@ def tensor_overlaps(
     kept as bool (one byte per element and task) for this tensor only.
     """
     base32 = base.to(dtype=torch.float32)
-    masks = [change_mask(task_vector(task, base32), epsilon) for task in tasks]
-    counts = count_changes(masks, base32)
+    masks = change_masks(base32, tasks, epsilon)
+    if len(masks) <= JOINT_LIMIT:
+        return _from_joint(masks)
+    counts = count_masks(masks, base32)
     rows = [task_histogram(counts, mask, len(tasks)).tolist() for mask in masks]
     pairs = [[0] * len(tasks) for _ in tasks]
     for s, mask in enumerate(masks):
@@ -47,7 +44,36 @@ def tensor_overlaps(
             pairs[s][t] = pairs[t][s] = int(
                 torch.count_nonzero(torch.logical_and(mask, masks[t]))
             )
-    del masks, counts
+    return rows, pairs
+
+
+# Up to this many tasks, one byte per element holds which tasks change it.
+JOINT_LIMIT = 8
+
+
+def _from_joint(
+    masks: Sequence[torch.Tensor],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """tensor_overlaps' counts from one histogram of the masks' joint pattern.
+
+    Bit t of an element's pattern says whether task t changes it; how many
+    elements show each of the 2^N patterns determines every task's k-way
+    histogram and every pairwise intersection, for one pass over a byte per
+    element instead of one per task and pair.
+    """
+    n = len(masks)
+    pattern = torch.zeros(masks[0].shape, dtype=torch.uint8, device=masks[0].device)
+    for t, mask in enumerate(masks):
+        pattern.add_(mask.view(torch.uint8), alpha=1 << t)
+    joint = torch.bincount(pattern.flatten(), minlength=1 << n).tolist()
+    rows = [[0] * n for _ in range(n)]
+    pairs = [[0] * n for _ in range(n)]
+    for code, elements in enumerate(joint):
+        members = [t for t in range(n) if code >> t & 1]
+        for s in members:
+            rows[s][len(members) - 1] += elements
+            for t in members:
+                pairs[s][t] += elements
     return rows, pairs
 
 

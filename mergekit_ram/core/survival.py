@@ -19,6 +19,10 @@ import torch
 MOSTLY_LOST = 0.5
 
 
+# Elements per step: a few small buffers instead of gathered full-size copies.
+_CHUNK = 1 << 18
+
+
 def survivors(
     base32: torch.Tensor,
     tau: torch.Tensor,
@@ -27,12 +31,28 @@ def survivors(
     dtype: torch.dtype,
 ) -> int:
     """How many `rescaled` elements differ, written in `dtype`, between
-    θ₀ + scale·τ and θ₀ + τ (both computed in float32, rounded once)."""
-    base = base32[rescaled]
-    step = tau[rescaled]
-    scaled = (base + step * scale).to(dtype=dtype)
-    plain = (base + step).to(dtype=dtype)
-    return int(torch.count_nonzero(scaled != plain))
+    θ₀ + scale·τ and θ₀ + τ (both computed in float32, rounded once).
+
+    A chunk at a time; a sparse chunk gathers its rescaled elements, a dense
+    one computes all and counts the rescaled (gathering most of a chunk costs
+    more than computing it whole).
+    """
+    flat_base, flat_tau = base32.reshape(-1), tau.reshape(-1)
+    chosen = rescaled.reshape(-1)
+    total = 0
+    for start in range(0, chosen.numel(), _CHUNK):
+        where = chosen[start : start + _CHUNK]
+        count = int(torch.count_nonzero(where))
+        if not count:
+            continue
+        base = flat_base[start : start + _CHUNK]
+        step = flat_tau[start : start + _CHUNK]
+        sparse = 4 * count < where.numel()
+        if sparse:
+            base, step = base[where], step[where]
+        differs = (base + step * scale).to(dtype=dtype) != (base + step).to(dtype=dtype)
+        total += int(torch.count_nonzero(differs if sparse else differs & where))
+    return total
 
 
 @dataclass

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from mergekit_ram.core.kernel import overlap_counts, ram_merge_tensor
+from mergekit_ram.core.kernel import (
+    change_masks,
+    count_masks,
+    merge_counted,
+    ram_merge_tensor,
+)
 
 # (float32 base, mask of the shared elements) -> their values, flat.
 SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,11 +38,16 @@ def ram_then_shared(
     """RAM's float32 merge with the shared elements (c ≥ 2) replaced by
     `rule`; returns out_dtype (default: base's), rounded once. `kernel` holds
     ram_merge_tensor's scales, scale_fn and on_unique."""
-    merged = ram_merge_tensor(
-        base, tasks, epsilon=epsilon, out_dtype=torch.float32, **kernel
-    )
+    if not tasks:
+        return ram_merge_tensor(
+            base, tasks, epsilon=epsilon, out_dtype=out_dtype, **kernel
+        )
     base32 = base.to(dtype=torch.float32)
-    shared = overlap_counts(base32, tasks, epsilon) >= 2
+    masks = change_masks(base32, tasks, epsilon)
+    counts = count_masks(masks, base32)
+    shared = counts >= 2
+    merged = merge_counted(base32, tasks, masks, counts, **kernel)
+    del masks, counts
     if bool(shared.any()):
         merged[shared] = rule(base32, shared)
     return merged.to(dtype=out_dtype or base.dtype)

@@ -26,7 +26,7 @@ from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.survival import SurvivalTally, survivors
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
-from mergekit_ram.integration.context import current_run
+from mergekit_ram.integration.context import current_run, inputs_checked
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 
@@ -163,13 +163,12 @@ class RAMMerge(GroupMergeMethod):
                     "mergekit_ram.run_merge / merge_state_dicts / merge_tensors, "
                     "set unique_scale per model, or set statistics: tensor."
                 )
-        inputs = finite_inputs(
-            group.metadata.name or "tensor",
-            group.base.id,
-            base,
-            {entry.id: entry.tensor for entry in tasks},
-            nonfinite,
-        )
+        inputs = {entry.id: entry.tensor for entry in tasks}
+        if nonfinite != "refuse" or not inputs_checked():
+            # Refusal was the statistics pass's job when it ran.
+            inputs = finite_inputs(
+                group.metadata.name or "tensor", group.base.id, base, inputs, nonfinite
+            )
         kernel, extra = {
             "mean": (ram_merge_tensor, {}),
             "ties": (ties_merge_tensor, {"density": density}),

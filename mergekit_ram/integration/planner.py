@@ -34,7 +34,12 @@ from pydantic import PrivateAttr
 
 from mergekit_ram.core.checks import check_layout
 from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.integration.context import MergeRun, current_run, running
+from mergekit_ram.integration.context import (
+    MergeRun,
+    checked_inputs,
+    current_run,
+    running,
+)
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.results import (
     STATISTICS_FILE,
@@ -57,10 +62,13 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     out_dtype is the dtype the tensor is written in. It carries the merge it
     belongs to (a private attribute: not part of the task's identity) and
     runs inside it, also on a worker thread, so the method finds the run's
-    survival tally.
+    survival tally. `_checked`: the statistics pass already checked its
+    inputs for NaN/Inf (set by with_scales), so the merge skips that check
+    under `nonfinite: refuse`.
     """
 
     _run: MergeRun | None = PrivateAttr(default=None)
+    _checked: bool = PrivateAttr(default=False)
 
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
         base = tensors.get(self.base_model)
@@ -69,7 +77,7 @@ class RAMMergeTask(ExecuteMergeMethodTask):
                 return base
             weight = self.output_weight
             check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
-        with running(self._run):
+        with running(self._run), checked_inputs(self._checked):
             return super().execute(tensors, **kwargs)
 
 
@@ -130,7 +138,8 @@ def scale_planned(planner: MergePlanner) -> tuple | None:
 
 
 def with_scales(task: Any, scales: dict[Any, float]) -> Any:
-    """A copy of a planned merge task whose task models carry their λ."""
+    """A copy of a planned merge task whose task models carry their λ, its
+    inputs marked as checked by the statistics pass that computed λ."""
     params = immutables.Map(
         {
             model: (
@@ -141,7 +150,9 @@ def with_scales(task: Any, scales: dict[Any, float]) -> Any:
             for model, values in task.input_parameters.items()
         }
     )
-    return task.model_copy(update={"input_parameters": params})
+    scaled = task.model_copy(update={"input_parameters": params})
+    scaled._checked = True
+    return scaled
 
 
 def rescales(merges: list[Any]) -> bool:

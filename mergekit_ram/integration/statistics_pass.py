@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from mergekit.graph import Executor
+from mergekit.io.tasks import LoaderCache
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
@@ -73,6 +74,9 @@ def collect_planned(
         for task in by_input[gather]:
             _count_task(stats, task, tensors, math_device)
         del tensors
+    # The pass's open shards keep every page it read mapped (and counted in
+    # the process's resident memory) while the merge maps them again.
+    LoaderCache().flush_all()
     stats.seconds = time.perf_counter() - started
     return stats
 

@@ -1,0 +1,341 @@
+"""Wall time and peak memory of our merges against stock mergekit's, side by side.
+
+Builds deterministic bf16 Llama checkpoints (random base, sparse "RL-like"
+agents changing about 3 / 46 / 54 % of the elements, like the paper's), then
+runs the real `mergekit-yaml` once per method per round, methods interleaved,
+each under `/usr/bin/time -v`:
+
+  stock ram, stock ramplus_tl, stock task_arithmetic   (MERGEKIT_RAM_AUTOLOAD=0)
+  our ram, our ramplus (global statistics), our ramplus statistics: tensor
+
+and writes a markdown table of median wall time, median peak RSS and their
+ratios to stock `ram` (stock `ram` is replaced by ours when our autoload hook
+is on, so stock runs switch it off). Nothing is downloaded.
+
+    python benchmarks/speed.py --sizes 135m 1b --rounds 3
+    python benchmarks/speed.py --sizes 135m --agents 6 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+# Llama shapes: hidden, intermediate, layers, heads, kv heads, vocabulary.
+SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "tiny": (64, 128, 2, 4, 2, 256),
+    "small": (256, 768, 6, 4, 2, 8192),
+    # SmolLM2-135M's shape with an untied lm_head (163 M parameters).
+    "135m": (576, 1536, 30, 9, 3, 49152),
+    # Llama-3.2-1B's body with a 32k vocabulary, untied (1.1 B parameters).
+    "1b": (2048, 8192, 16, 32, 8, 32000),
+}
+
+# Fractions of elements each agent changes (the paper's 3.2 / 46.2 / 54.3 %),
+# repeated with a shift for more agents.
+DENSITIES = (0.032, 0.462, 0.543)
+
+# name: (merge_method, parameters, our autoload on)
+METHODS: dict[str, tuple[str, dict, bool]] = {
+    "stock ram": ("ram", {}, False),
+    "stock ramplus_tl": ("ramplus_tl", {}, False),
+    "stock task_arithmetic": ("task_arithmetic", {}, False),
+    "our ram": ("ram", {}, True),
+    "our ramplus (global)": ("ramplus", {}, True),
+    "our ramplus (tensor)": ("ramplus", {"statistics": "tensor"}, True),
+}
+BASELINE = "stock ram"
+
+
+@dataclass(frozen=True)
+class Run:
+    wall: float  # seconds
+    rss: int  # peak resident set, kilobytes
+    user: float
+    system: float
+
+
+def parameter_count(size: str) -> int:
+    hidden, inter, layers, heads, kv, vocab = SIZES[size]
+    head = hidden // heads
+    attention = 2 * hidden * hidden + 2 * hidden * kv * head
+    return (
+        2 * vocab * hidden
+        + hidden
+        + layers * (attention + 3 * hidden * inter + 2 * hidden)
+    )
+
+
+def agent_densities(count: int) -> list[float]:
+    """`count` densities: the paper's three, then shifted copies of them."""
+    return [min(0.95, DENSITIES[i % 3] * (1.0 + 0.1 * (i // 3))) for i in range(count)]
+
+
+def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of a Llama checkpoint of this size."""
+    hidden, inter, layers, heads, kv, vocab = SIZES[size]
+    head = hidden // heads
+    yield "model.embed_tokens.weight", (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (hidden,)
+        yield f"{p}.self_attn.q_proj.weight", (heads * head, hidden)
+        yield f"{p}.self_attn.k_proj.weight", (kv * head, hidden)
+        yield f"{p}.self_attn.v_proj.weight", (kv * head, hidden)
+        yield f"{p}.self_attn.o_proj.weight", (hidden, heads * head)
+        yield f"{p}.post_attention_layernorm.weight", (hidden,)
+        yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.up_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.down_proj.weight", (hidden, inter)
+    yield "model.norm.weight", (hidden,)
+    yield "lm_head.weight", (vocab, hidden)
+
+
+def _write_config(size: str, path: str) -> None:
+    from transformers import LlamaConfig
+
+    hidden, inter, layers, heads, kv, vocab = SIZES[size]
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="bfloat16",
+    ).save_pretrained(path)
+
+
+def build_models(size: str, agents: int, root: str, seed: int = 0) -> dict[str, str]:
+    """Base and agents under root/size/ (reused when complete); name -> path.
+
+    Tensors are made one at a time (the base's, then each agent's delta), so
+    building never holds more than one tensor of every model in memory.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    folder = os.path.join(root, f"{size}-{agents}")
+    names = ["base"] + [f"agent{i}" for i in range(agents)]
+    paths = {n: os.path.join(folder, n) for n in names}
+    done = os.path.join(folder, "complete")
+    if os.path.exists(done):
+        return paths
+    densities = agent_densities(agents)
+    states: dict[str, dict[str, torch.Tensor]] = {n: {} for n in names}
+    generator = torch.Generator().manual_seed(seed)
+    shard = {n: 0 for n in names}
+    index: dict[str, dict[str, str]] = {n: {} for n in names}
+    pending = 0
+
+    def flush() -> None:
+        for n in names:
+            file = f"model-{shard[n]:05d}.safetensors"
+            save_file(states[n], os.path.join(paths[n], file), {"format": "pt"})
+            index[n].update({t: file for t in states[n]})
+            states[n] = {}
+            shard[n] += 1
+
+    for n in names:
+        os.makedirs(paths[n], exist_ok=True)
+        _write_config(size, paths[n])
+    for name, shape in tensor_shapes(size):
+        if len(shape) == 1:
+            base = torch.ones(shape)
+        else:
+            base = torch.randn(shape, generator=generator).mul_(0.02)
+        states["base"][name] = base.to(torch.bfloat16)
+        for i, density in enumerate(densities):
+            keep = torch.rand(shape, generator=generator) < density
+            delta = torch.randn(shape, generator=generator).mul_(0.01).mul_(keep)
+            states[f"agent{i}"][name] = (base + delta).to(torch.bfloat16)
+            del keep, delta
+        pending += base.numel()
+        if pending >= 400_000_000:
+            flush()
+            pending = 0
+    if pending:
+        flush()
+    for n in names:
+        with open(os.path.join(paths[n], "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": index[n]}, f)
+        _save_tokenizer(paths[n], SIZES[size][5])
+    open(done, "w").close()
+    return paths
+
+
+def _save_tokenizer(path: str, vocab: int) -> None:
+    from mergekit_ram.commands.synthetic import save_tokenizer
+
+    save_tokenizer(path, vocab)
+
+
+def config_yaml(method: str, parameters: dict, paths: dict[str, str]) -> str:
+    import yaml
+
+    weighted = method == "task_arithmetic"
+    config: dict = {
+        "merge_method": method,
+        "base_model": paths["base"],
+        "models": [
+            # task_arithmetic needs a weight; ours and stock RAM take none.
+            {"model": p, **({"parameters": {"weight": 1.0}} if weighted else {})}
+            for n, p in paths.items()
+            if n != "base"
+        ],
+        "dtype": "bfloat16",
+    }
+    if parameters:
+        config["parameters"] = parameters
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def parse_time_v(text: str) -> Run:
+    """Wall, peak RSS, user and system time from `/usr/bin/time -v` output."""
+
+    def field(label: str) -> str:
+        match = re.search(rf"^\s*{re.escape(label)}: (.+)$", text, re.MULTILINE)
+        if match is None:
+            raise ValueError(f"no {label!r} in /usr/bin/time output")
+        return match.group(1).strip()
+
+    clock = [
+        float(part)
+        for part in field("Elapsed (wall clock) time (h:mm:ss or m:ss)").split(":")
+    ]
+    wall = 0.0
+    for part in clock:
+        wall = wall * 60 + part
+    return Run(
+        wall=wall,
+        rss=int(field("Maximum resident set size (kbytes)")),
+        user=float(field("User time (seconds)")),
+        system=float(field("System time (seconds)")),
+    )
+
+
+def run_once(name: str, paths: dict[str, str], workdir: str, cuda: bool) -> Run:
+    method, parameters, ours = METHODS[name]
+    config = os.path.join(workdir, "config.yml")
+    with open(config, "w") as handle:
+        handle.write(config_yaml(method, parameters, paths))
+    out = os.path.join(workdir, "out")
+    shutil.rmtree(out, ignore_errors=True)
+    command = [
+        "/usr/bin/time",
+        "-v",
+        os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"),
+        config,
+        out,
+        "--no-write-model-card",
+        "--no-copy-tokenizer",
+    ] + (["--cuda"] if cuda else [])
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", MERGEKIT_RAM_AUTOLOAD="1" if ours else "0"
+    )
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{done.stdout}\n{done.stderr}")
+    shutil.rmtree(out, ignore_errors=True)
+    return parse_time_v(done.stderr)
+
+
+def table(results: dict[str, list[Run]]) -> list[str]:
+    """Markdown rows: median wall, median peak RSS and ratios to the baseline."""
+    base_wall = statistics.median(r.wall for r in results[BASELINE])
+    base_rss = statistics.median(r.rss for r in results[BASELINE])
+    lines = [
+        "| method | wall s (median) | ÷ stock ram | peak RSS GB | ÷ stock ram "
+        "| user s | system s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        wall = statistics.median(r.wall for r in runs)
+        rss = statistics.median(r.rss for r in runs)
+        lines.append(
+            f"| {name} | {wall:.1f} | {wall / base_wall:.2f}× | "
+            f"{rss / 1e6:.2f} | {rss / base_rss:.2f}× | "
+            f"{statistics.median(r.user for r in runs):.1f} | "
+            f"{statistics.median(r.system for r in runs):.1f} |"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["135m"], choices=list(SIZES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--agents", type=int, nargs="+", default=[3])
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS)
+    )
+    parser.add_argument("--cuda", action="store_true", help="pass --cuda to merges")
+    parser.add_argument(
+        "--workdir",
+        help="build (and reuse) the models here and keep them; default: a "
+        "temporary folder, removed at the end unless --keep",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the temp folder")
+    parser.add_argument("--output", help="also write the markdown here")
+    args = parser.parse_args(argv)
+    methods = list(dict.fromkeys([BASELINE, *args.methods]))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ram-speed-")
+    # Configs and merge outputs go to a folder of our own, whatever is there.
+    scratch = tempfile.mkdtemp(prefix="runs-", dir=workdir)
+    report = [
+        f"`python benchmarks/speed.py {shlex.join(argv or sys.argv[1:])}` "
+        f"({os.cpu_count()} CPUs{', --cuda' if args.cuda else ''}); medians of "
+        f"{args.rounds} interleaved rounds, `dtype: bfloat16`.",
+    ]
+    try:
+        for size in args.sizes:
+            for agents in args.agents:
+                print(f"building {size} with {agents} agents in {workdir}", flush=True)
+                paths = build_models(size, agents, workdir)
+                results: dict[str, list[Run]] = {m: [] for m in methods}
+                for round_index in range(args.rounds):
+                    for name in methods:
+                        run = run_once(name, paths, scratch, args.cuda)
+                        results[name].append(run)
+                        print(
+                            f"{size} x{agents} round {round_index + 1} {name:<24} "
+                            f"{run.wall:7.1f} s {run.rss / 1e6:6.2f} GB",
+                            flush=True,
+                        )
+                report += [
+                    "",
+                    f"**{size}** ({parameter_count(size) / 1e6:.1f} M parameters, "
+                    f"base + {agents} agents)",
+                    "",
+                    *table(results),
+                ]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not (args.keep or args.workdir):
+            shutil.rmtree(workdir, ignore_errors=True)
+    text = "\n".join(report) + "\n"
+    print("\n" + text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
