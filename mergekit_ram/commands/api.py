@@ -22,7 +22,12 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
-from mergekit_ram.core.settings import SCALAR_KEYS, MergeSettings, one_value_error
+from mergekit_ram.core.settings import (
+    SCALAR_KEYS,
+    MergeSettings,
+    one_value_error,
+    varying_key,
+)
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import RAMMerge
 
@@ -60,25 +65,28 @@ def _method(method: str | MergeMethod) -> MergeMethod:
 
 
 def _shared(
-    method: RAMMerge, parameters: Mapping[str, Any], name: str, index: int | None
+    method: RAMMerge, parameters: Mapping[str, Any], name: str, index: int
 ) -> Any:
-    """A shared parameter's validated value for tensor group `index`.
-
-    With index None the value must be the same for every group (whole-model
-    statistics use one value).
-    """
+    """A shared parameter's validated value for tensor group `index`."""
     spec = next(p for p in method.spec.parameters if p.name == name)
     value = parameters.get(name, spec.default)
     if isinstance(value, PerGroupValues):
-        if index is None and len(set(value.values)) > 1:
-            raise one_value_error(name, "varies per tensor group")
-        value = value.values[index or 0]
+        value = value.values[index]
     return spec.validate(value)
 
 
 def _settings(method: RAMMerge, parameters: Mapping[str, Any]) -> MergeSettings:
+    """The merge's settings; global statistics need one value per key."""
+    values = {}
+    for key in SCALAR_KEYS:
+        value = parameters.get(key)
+        groups = value.values if isinstance(value, PerGroupValues) else (value,)
+        values[key] = {_shared(method, parameters, key, i) for i in range(len(groups))}
+    key = varying_key(values)
+    if key is not None:
+        raise one_value_error(key, "varies per tensor group")
     return MergeSettings(
-        **{key: _shared(method, parameters, key, None) for key in SCALAR_KEYS}
+        **{key: _shared(method, parameters, key, 0) for key in SCALAR_KEYS}
     )
 
 

@@ -22,6 +22,7 @@ import torch
 
 from mergekit_ram.core.checks import check_layout
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.weight_files import SINGLE_FILES
 
 DTYPES = {
     "F64": torch.float64,
@@ -145,10 +146,7 @@ def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
 
 def model_tensors(path: str, role: str) -> dict[str, Tensor]:
     """Every tensor of the model folder `path`, as mergekit would find them."""
-    for stem, reader in (
-        ("model.safetensors", safetensors_header),
-        ("pytorch_model.bin", pickle_tensors),
-    ):
+    for stem, reader in zip(SINGLE_FILES, (safetensors_header, pickle_tensors)):
         single = os.path.join(path, stem)
         index = f"{single}.index.json"
         if os.path.exists(index):

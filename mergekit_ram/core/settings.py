@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,22 +31,19 @@ class MergeSettings:
         Whole-model statistics use one epsilon and one λ rule for every tensor,
         so a filter or gradient that varies them per tensor is refused.
         """
-        first: tuple[str, dict] | None = None
+        seen: dict[str, dict[Any, str]] = {key: {} for key in SCALAR_KEYS}
         for tensor, params in per_tensor:
-            values = {key: params[key] for key in SCALAR_KEYS}
-            if first is None:
-                first = (tensor, values)
-                continue
             for key in SCALAR_KEYS:
-                if values[key] != first[1][key] and _global(first[1], values):
-                    raise one_value_error(
-                        key,
-                        f"is {first[1][key]!r} for tensor {first[0]} but "
-                        f"{values[key]!r} for {tensor}",
-                    )
-        if first is None:
+                seen[key].setdefault(params[key], tensor)
+        if not seen["r"]:
             raise ValueError("the merge has no tensors")
-        return cls(**first[1])
+        key = varying_key(seen)
+        if key is not None:
+            (a, first), (b, second) = list(seen[key].items())[:2]
+            raise one_value_error(
+                key, f"is {a!r} for tensor {first} but {b!r} for {second}"
+            )
+        return cls(**{key: next(iter(seen[key])) for key in SCALAR_KEYS})
 
     @property
     def rule(self) -> ScaleRule:
@@ -85,6 +82,15 @@ def unique_scale_error(model: Any, values: str) -> RAMInputError:
     )
 
 
-def _global(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether either side needs whole-model statistics (r > 0, global scope)."""
-    return any(v["statistics"] == "global" and v["r"] > 0 for v in (a, b))
+def varying_key(values: Mapping[str, Collection[Any]]) -> str | None:
+    """The rule "global statistics need one value for the whole merge".
+
+    `values` maps each of SCALAR_KEYS to the distinct values it takes across
+    the merge; returns the first key that takes several where some tensor
+    needs whole-model statistics (statistics: global with r > 0), else None.
+    """
+    if "global" in values["statistics"] and any(r > 0 for r in values["r"]):
+        for key in SCALAR_KEYS:
+            if len(values[key]) > 1:
+                return key
+    return None

@@ -22,18 +22,8 @@ from mergekit.options import MergeOptions
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.headers import check_models
+from mergekit_ram.core.weight_files import WEIGHT_FILES
 from mergekit_ram.integration.config_groups import Group
-
-# What mergekit's ShardedTensorIndex.from_disk looks for in a model directory.
-# (mergekit's own list lives in a script module, mergekit.scripts.multimerge,
-# whose import loads mergekit.merge: from here that would re-enter the
-# autoload install while this package is half-imported.)
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 
 
 def model_references(

@@ -27,11 +27,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from mergekit_ram.core.weight_files import INDEX_FILES
+
 # Files that make a folder look like a finished merge, in publishing order
 # (after the shards): the weight index, ..., config.json (what loaders need).
 MARKERS = (
-    "model.safetensors.index.json",
-    "pytorch_model.bin.index.json",
+    *INDEX_FILES,
     "ram_statistics.json",
     "mergekit_config.yml",
     "README.md",

@@ -24,7 +24,12 @@ from pydantic import ValidationError
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.settings import SCALAR_KEYS, one_value_error, unique_scale_error
+from mergekit_ram.core.settings import (
+    SCALAR_KEYS,
+    one_value_error,
+    unique_scale_error,
+    varying_key,
+)
 from mergekit_ram.integration.config_groups import Block, Group
 from mergekit_ram.integration.methods import PARAMETER_HELP, RAMMerge
 
@@ -219,14 +224,13 @@ def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) ->
         key: set().union(*(_possible(specs[key], g.blocks) for g in groups))
         for key in SCALAR_KEYS
     }
-    if "global" in values["statistics"] and any(r > 0 for r in values["r"]):
-        for key in SCALAR_KEYS:
-            if len(values[key]) > 1:
-                raise one_value_error(
-                    key,
-                    f"takes the values {_listed(values[key])} here (a filter, "
-                    "a gradient or a per-slice value)",
-                )
+    key = varying_key(values)
+    if key is not None:
+        raise one_value_error(
+            key,
+            f"takes the values {_listed(values[key])} here (a filter, "
+            "a gradient or a per-slice value)",
+        )
     spec = specs["unique_scale"]
     for group in groups:
         for source in group.sources:
