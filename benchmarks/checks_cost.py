@@ -16,6 +16,8 @@ since on a busy machine the whole-process differences drown in noise.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import shutil
@@ -28,24 +30,68 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from safetensors.torch import load_file  # noqa: E402
-from statistics_cost import arguments, bench_models  # noqa: E402
 
-from mergekit_ram.commands.synthetic import merge_yaml  # noqa: E402
+from mergekit_ram.commands.synthetic import (  # noqa: E402
+    PAPER_LIKE,
+    build_models,
+    merge_yaml,
+)
 from mergekit_ram.core.checks import finite_output  # noqa: E402
 from mergekit_ram.core.headers import check_models  # noqa: E402
+
+
+def model_shape(params: float) -> dict:
+    """A Llama shape of roughly `params` parameters (12 layers, 32k vocab)."""
+    hidden = 768
+    while True:
+        layer = 4 * hidden * hidden + 3 * hidden * (8 * hidden // 3)
+        total = 12 * layer + 2 * 32000 * hidden
+        if total >= params:
+            return dict(
+                hidden_size=hidden,
+                intermediate_size=8 * hidden // 3,
+                num_hidden_layers=12,
+                num_attention_heads=hidden // 64,
+                num_key_value_heads=hidden // 64,
+                vocab_size=32000,
+            ), total
+        hidden += 64
+
+
+def arguments(doc: str) -> argparse.Namespace:
+    """--params, --repeats and --keep."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--params", type=float, default=110e6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--keep", default=None, help="build/reuse models here")
+    return parser.parse_args()
+
+
+def bench_models(root: str, params: float) -> tuple[dict[str, str], int]:
+    """The base and PAPER_LIKE agents under root/models (built once), and the size."""
+    overrides, total = model_shape(params)
+    marker = os.path.join(root, "models", "paths.json")
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as handle:
+            return json.load(handle), total
+    paths = build_models(
+        os.path.join(root, "models"), PAPER_LIKE, config_overrides=overrides
+    )
+    with open(marker, "w", encoding="utf-8") as handle:
+        json.dump(paths, handle)
+    return paths, total
+
 
 DRIVER = """
 import sys
 import mergekit_ram.integration.methods as methods
 import mergekit_ram.integration.model_locations as model_locations
-import mergekit_ram.integration.planner as planner
 def skip(*args, **kwargs):
     return None
 if sys.argv[1] == "no-headers":
     model_locations.check_models = skip
 if sys.argv[1] == "no-output":
     methods.finite_output = skip
-    planner.finite_output = skip
 from mergekit_ram.commands.cli import main
 main(["merge", *sys.argv[2:]])
 """
