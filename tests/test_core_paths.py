@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -57,7 +58,7 @@ def test_input_file_linked_into_out_is_refused(family, tmp_path):
     os.symlink(out / "model.safetensors", linked / "model.safetensors")
     config = family.config_dict("ram")
     config["models"][-1]["model"] = str(linked)
-    with pytest.raises(RAMInputError, match="a link to"):
+    with pytest.raises(RAMInputError, match="resolves to .* inside the output folder"):
         merge(config, out)
     assert (linked / "model.safetensors").resolve().is_file()
 
@@ -100,3 +101,34 @@ def test_first_duplicate_and_output_conflict(tmp_path):
     assert "is the input" in output_conflict(
         f"{tmp_path}/a/.", [("model", str(tmp_path / "a"))]
     )
+
+
+def test_a_shard_the_index_names_inside_out_is_refused(family, tmp_path):
+    """Issue 17 item 3: the index of a task model names a shard inside OUT."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mergekit_config.yml").write_text("a previous merge")
+    shutil.copy(Path(family.paths["gamma"]) / "model.safetensors", out / "shard.st")
+    task = tmp_path / "gamma"
+    shutil.copytree(family.paths["gamma"], task)
+    (task / "model.safetensors").unlink()
+    from safetensors import safe_open
+
+    with safe_open(str(out / "shard.st"), "pt") as handle:
+        names = list(handle.keys())
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "../out/shard.st")}
+    (task / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = family.config_dict("ram")
+    config["models"][-1]["model"] = str(task)
+    with pytest.raises(RAMInputError, match="reads ../out/shard.st"):
+        merge(config, out)
+    assert (out / "shard.st").is_file()
+
+
+def test_an_input_inside_out_is_refused(family, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(family.paths["gamma"], out / "gamma")
+    config = family.config_dict("ram")
+    config["models"][-1]["model"] = str(out / "gamma")
+    with pytest.raises(RAMInputError, match="lies inside the output folder"):
+        merge(config, out)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import types
@@ -24,6 +22,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from conftest import TaskSpec, read_json, words_for
+from faults import EXITS, SIGNALS, run_interrupted
 from mergekit.architecture import WeightInfo
 from mergekit.common import ImmutableMap, ModelReference
 from mergekit.config import MergeConfiguration
@@ -517,7 +516,7 @@ def test_demo_never_writes_its_agents(tmp_path, monkeypatch):
 
 def test_output_folder_that_is_an_input_is_refused(family):
     before = hashes(family.root)
-    with pytest.raises(RAMInputError, match="would overwrite it"):
+    with pytest.raises(RAMInputError, match="would change an input"):
         merge(family.config_dict("ram"), Path(family.paths["gamma"]))
     assert hashes(family.root) == before
 
@@ -590,15 +589,12 @@ FAILURES = {
         RuntimeError("card failed"),
         lambda *a: True,
     ),
-    # while swapping: old files moved aside, the new shards and markers moved
-    # in, then moving the new config.json in fails
+    # publishing: OUT moved aside, then moving the new merge in fails
     "publish error": (
         mergekit_ram.integration.output_folder.os,
-        "replace",
+        "rename",
         OSError("disk full"),
-        lambda n, src, dst: (
-            src.endswith(os.path.join("out", "config.json")) and ".mergekit-ram-" in src
-        ),
+        lambda n, src, dst: src.endswith(os.path.join("staged", "out")),
     ),
 }
 
@@ -623,85 +619,76 @@ def test_failed_rerun_leaves_the_previous_merge_byte_for_byte(
     assert_rerun_equals_fresh(family, fresh, out)
 
 
-DRIVER = """
-import os, sys, time
-import mergekit_ram.integration.methods as method
-import mergekit_ram.integration.output_folder as publishing
-
-stage, config, out = sys.argv[1:4]
-
-
-def stall():
-    print("STALLED", flush=True)
-    time.sleep(600)
-
-
-if stage == "merging":
-    real_merge = method.ram_merge_tensor
-
-    def slow_merge(*args, **kwargs):
-        slow_merge.calls += 1
-        if slow_merge.calls == 12:
-            stall()
-        return real_merge(*args, **kwargs)
-
-    slow_merge.calls = 0
-    method.ram_merge_tensor = slow_merge
-else:
-    real_replace = os.replace
-
-    def slow_replace(src, dst):
-        if dst == os.path.join(out, publishing.MARKERS[0]):
-            stall()
-        return real_replace(src, dst)
-
-    publishing.os.replace = slow_replace
-
-from mergekit.scripts.run_yaml import main
-
-main([config, out, "--out-shard-size", "16000", "--quiet"])
-"""
+@pytest.fixture(scope="module")
+def older(family, tmp_path_factory):
+    """A previous merge that differs from `fresh` (RAM, not RAM+), with user files."""
+    out = merge(
+        family.config_dict("ram"),
+        tmp_path_factory.mktemp("older") / "out",
+        out_shard_size=SHARDS,
+    )
+    (out / "notes.txt").write_text("mine")
+    return out
 
 
 @pytest.mark.slow
-def test_killed_merge_leaves_out_or_the_staging_and_reruns(family, fresh, tmp_path):
-    """SIGKILL mid-merge (OUT untouched) and mid-swap (as the README says)."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER, encoding="utf-8")
+def test_mergekit_yaml_interrupted_at_every_publish_step(
+    family, fresh, older, poisoned, tmp_path, capsys
+):
+    """The real mergekit-yaml killed (SIGKILL), terminated (SIGTERM) and
+    interrupted (SIGINT) at every file-system step of its publish, then a
+    next merge that fails (a NaN) and one that succeeds: OUT is always exactly
+    the old merge or exactly the new one, the user's file intact, and nothing
+    of ours is left after the next run."""
     config = tmp_path / "ramplus.yml"
     config.write_text(family.yaml(), encoding="utf-8")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    runs, before = {}, {}
-    for stage in ("merging", "publishing"):
-        out = tmp_path / stage
-        complete_previous(fresh, out)
-        before[stage] = hashes(out)
-        runs[stage] = subprocess.Popen(
-            [sys.executable, str(driver), stage, str(config), str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    for stage, proc in runs.items():
-        ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT)
-        line = proc.stdout.readline() if ready else ""
-        if line.strip() != "STALLED":
-            proc.kill()
-            raise AssertionError(f"{stage}: {line}{proc.communicate()[1]}")
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=TIMEOUT)
-        out = tmp_path / stage
-        (staging,) = [n for n in staging_left(out) if not n.endswith(".lock")]
-        if stage == "merging":
-            assert hashes(out) == before[stage]  # OUT untouched
-            assert "model-1.safetensors" in os.listdir(out.parent / staging / stage)
-        else:  # old files moved aside, new shards moved in, markers not yet
-            assert_looks_incomplete(out)
-            assert set(weight_files(out)) == set(weight_files(fresh)) - COMPLETE
-            aside = out.parent / staging / f".{stage}.previous"
-            assert COMPLETE <= set(os.listdir(aside))
-        assert_rerun_equals_fresh(family, fresh, out)
+    notes = {"notes.txt": _relative_hashes(older)["notes.txt"]}
+
+    def run(step: int, how: str, out: Path):
+        args = [str(config), str(out), "--out-shard-size", str(SHARDS), "--quiet"]
+        return run_interrupted(tmp_path, step, how, "mergekit-yaml", args)
+
+    out = tmp_path / "count" / "out"
+    shutil.copytree(older, out)
+    code, output, steps = run(0, "SIGKILL", out)
+    assert code == 0, output
+    states = {
+        "old": _relative_hashes(older),
+        "new": _relative_hashes(out),
+        "API": {**_relative_hashes(fresh), **notes},
+    }
+    assert states["new"]["notes.txt"] == notes["notes.txt"]
+    assert len({str(v) for v in states.values()}) == 3
+
+    def state(out: Path) -> str:
+        found = _relative_hashes(out) if out.exists() else None
+        return next((k for k, v in states.items() if v == found), f"mixed {found}")
+
+    for step in range(1, steps + 1):
+        for how in SIGNALS:
+            out = tmp_path / f"{step}-{how}" / "out"
+            shutil.copytree(older, out)
+            code, output, _ = run(step, how, out)
+            assert code in EXITS[how], (step, how, output[-2000:])
+            if how != "SIGKILL":
+                assert state(out) in ("old", "new"), (step, how, output[-2000:])
+            with pytest.raises(RAMInputError, match="NaN"):
+                merge(config_dict(family, replace={"beta": poisoned}), out)
+            assert state(out) in ("old", "new"), (step, how)
+            assert not staging_left(out), (step, how)
+            merge(family.config_dict(), out, out_shard_size=SHARDS)
+            assert state(out) == "API" and not staging_left(out), (step, how)
+            shutil.rmtree(out.parent)
+    with capsys.disabled():
+        print(f"\nmergekit-yaml interrupted at {steps} publish steps x 3 signals")
+
+
+def _relative_hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 # --- wiring ---------------------------------------------------------------------

@@ -246,3 +246,44 @@ def test_out_that_is_a_file_is_refused_untouched(family, tmp_path):
     assert "is a file, not a folder" in result.output
     assert out.read_text() == "a file"
     assert sorted(os.listdir(tmp_path)) == ["out", "ram.yml"]
+
+
+# --- issue 17: report folders, names and paths a new user tries ------------------
+
+
+@pytest.mark.parametrize("command", ["merge", "analyze"])
+def test_report_folder_inside_an_input_is_refused(family, tmp_path, command):
+    """Item 4: `merge --report` / `analyze --out` into an input model folder."""
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    model = Path(family.paths["beta"])
+    before = hashes(model)
+    args = [command, str(config)]
+    args += [str(tmp_path / "out"), "--report"] if command == "merge" else ["--out"]
+    result = CliRunner().invoke(main, [*args, str(model), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "Error: The report folder" in result.output
+    assert "Traceback" not in result.output
+    assert hashes(model) == before and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "spell, message",
+    [
+        (lambda t: t / ("x" * 240), None),
+        (lambda t: (t / "file").touch() or t / "file" / "out", "a file"),
+        (lambda t: os.symlink(t / "l", t / "l") or t / "l" / "out", "symlink loop"),
+    ],
+    ids=["240-character name", "parent is a file", "symlink loop"],
+)
+def test_output_paths_a_new_user_tries(family, tmp_path, spell, message):
+    """Item 6, whole merges: a long name works; the others are one Error."""
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    out = spell(tmp_path)
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    if message is None:
+        assert result.exit_code == 0, result.output
+        assert (out / "config.json").is_file() and not leftovers(out)
+    else:
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("Error: The output folder")
+        assert message in result.output and "Traceback" not in result.output

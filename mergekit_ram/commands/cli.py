@@ -123,6 +123,14 @@ def _finite_number(
     return value
 
 
+def _refuse_report_folder(config: Any, folder: str | None) -> None:
+    """A report folder gets OUT's identity checks: it never adds files to an input."""
+    if folder is not None:
+        from mergekit_ram.integration.publishing import refuse_input_folder
+
+        refuse_input_folder(config, folder, "report folder")
+
+
 def _emit(report: dict, out_dir: str | None) -> None:
     from mergekit_ram.commands.render import render_text
     from mergekit_ram.commands.report_files import write_report
@@ -155,6 +163,7 @@ def merge(
 
     merge_options.apply_global_options()
     config, source = _load(config_file)
+    _refuse_report_folder(config, report_dir)
     if report_dir is None:
         run_merge(config, out_path, options=merge_options, config_source=source)
         return
@@ -216,6 +225,7 @@ def analyze(
             raise click.BadParameter(str(error), param_hint="--r") from error
     merge_options.apply_global_options()
     config, _source = _load(config_file)
+    _refuse_report_folder(config, out_dir)
     validate_analysis(config, merge_options)
     try:
         analysis = analyze_config(config, merge_options, epsilon=epsilon)

@@ -7,8 +7,11 @@ only: these checks run before any weight is read.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
+
+from mergekit_ram.core.weight_files import INDEX_FILES
 
 
 def identity(path: str) -> str:
@@ -34,25 +37,45 @@ def first_duplicate(
     return None
 
 
-def output_conflict(out: str, inputs: Iterable[tuple[str, str]]) -> str | None:
-    """Why writing OUT would change an input ('' / None when it would not).
+def read_files(folder: str) -> list[str]:
+    """The names of the files a model folder's readers open: its entries and
+    every shard its weight indexes name (which may point anywhere)."""
+    names = sorted(os.listdir(folder))
+    for index in INDEX_FILES:
+        try:
+            with open(os.path.join(folder, index), encoding="utf-8") as handle:
+                weight_map = json.load(handle).get("weight_map", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # missing or unreadable: the header checks report it
+        if isinstance(weight_map, dict):
+            names += sorted({v for v in weight_map.values() if isinstance(v, str)})
+    return names
 
-    OUT must not be an input folder or lie inside one, and no file of an
-    input may resolve into OUT (a symlinked checkpoint would be replaced).
+
+def output_conflict(
+    out: str, inputs: Iterable[tuple[str, str]], role: str = "output folder"
+) -> str | None:
+    """Why writing `out` would change an input (None when it would not).
+
+    `out` must not be an input folder, lie inside one or hold one, and no
+    file an input reads (its entries, the shards its index names) may resolve
+    into `out`.
     """
     target = os.path.realpath(out)
-    for role, path in inputs:
+    for input_role, path in inputs:
         if not os.path.isdir(path):
             continue
         folder = os.path.realpath(path)
         if inside(target, folder):
             where = "is" if target == folder else "lies inside"
-            return f"The output folder {out} {where} the input {role} {path}"
-        for name in sorted(os.listdir(path)):
+            return f"The {role} {out} {where} the input {input_role} {path}"
+        if inside(folder, target):
+            return f"The input {input_role} {path} lies inside the {role} {out}"
+        for name in read_files(path):
             linked = os.path.realpath(os.path.join(path, name))
-            if linked != os.path.join(folder, name) and inside(linked, target):
+            if inside(linked, target):
                 return (
-                    f"The input {role} {path} has {name}, a link to {linked} "
-                    f"inside the output folder {out}"
+                    f"The input {input_role} {path} reads {name}, which resolves "
+                    f"to {linked} inside the {role} {out}"
                 )
     return None

@@ -1,36 +1,41 @@
-"""An output folder that changes only once a merge has fully succeeded.
+"""An output folder that is exactly the old merge or exactly the new one.
 
-The merge is written into a private staging folder next to OUT (same file
-system, unique per process, its last component OUT's name so the model card
-is unchanged). Only after it finished are the files a previous merge wrote
-moved aside, the new ones moved in (config.json last) and the old ones
-deleted; a failure during that swap puts the old files back, and a journal
-lets the next run into OUT undo a swap that SIGKILL interrupted. Anything
-that goes wrong before leaves OUT byte for byte as it was. One writer per
-OUT: a lock file next to OUT, taken without waiting. SIGTERM unwinds like
-Ctrl-C. Standard library only: `publishing` wraps mergekit's run_merge
-around it.
+OUT is known by its identity R (symlinks and `..` resolved), so every
+spelling of one folder shares its lock and its staging. A merge is written
+into a staging folder S next to R (same file system; a short hashed name):
+
+    S/owner.json         token, R, pid: proof that this package made S
+    S/staged/<name>      the new merge, then the user's own files of R, linked
+    S/previous           R itself, once it has been moved aside
+
+and published by two renames of whole folders, R -> S/previous and
+S/staged/<name> -> R, each made durable (fsync) before the next step. Every
+state a kill can leave is repaired by one rule, applied under R's lock by
+the next run into R before it does anything else: if S/previous exists and R
+does not, rename S/previous back to R; then remove S. A folder is removed
+only if this rule can prove it is ours (name, token, R, owner process gone).
+Standard library only: `publishing` wraps mergekit's run_merge around it.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
-import signal
-import threading
+import socket
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mergekit_ram.core.weight_files import INDEX_FILES
+from mergekit_ram.integration.interrupts import interruptions
 
-# Files that make a folder look like a finished merge, in publishing order
-# (after the shards): the weight index, ..., config.json (what loaders need).
+# Files that make a folder look like a finished merge.
 MARKERS = (
     *INDEX_FILES,
     "ram_statistics.json",
@@ -45,22 +50,17 @@ MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
 WEIGHTS = re.compile(
     r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
 )
-STAGING_TAG = ".mergekit-ram-"
-LOCK_SUFFIX = ".mergekit-ram.lock"
-JOURNAL = ".swap.json"
+TAG = ".mergekit-ram-"
+STAGING = re.compile(r"\.mergekit-ram-([0-9a-f]{12})-([0-9a-f]{16})")
+OWNER = "owner.json"
+PREVIOUS = "previous"
+STAGED = "staged"
+NO_LINKS = (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK)
+NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 class OutputError(ValueError):
     """An output folder a merge must not write into, or one that is busy."""
-
-
-class Terminated(SystemExit):
-    """SIGTERM during a merge: unwinds like Ctrl-C, exits with 128 + 15."""
-
-
-def _staging_prefix(out: str) -> str:
-    parent, name = os.path.split(out)
-    return os.path.join(parent, f".{name}{STAGING_TAG}")
 
 
 def previous_merge(names: set[str]) -> bool:
@@ -86,23 +86,185 @@ def check_output(out: str) -> None:
         )
 
 
-@contextmanager
-def locked(out: str) -> Iterator[None]:
-    """Hold OUT's lock file (next to OUT) for the block; busy fails at once."""
-    parent, name = os.path.split(out)
-    path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
-    while True:
-        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def carried_names(existing: set[str], new: set[str]) -> list[str]:
+    """The entries of OUT that the new OUT keeps: everything the new merge
+    does not write, less a previous merge's markers and weights (a user's
+    README.md stays unless a new model card replaces it)."""
+    stale: set[str] = set()
+    if previous_merge(existing):
+        stale = {
+            n
+            for n in existing
+            if (n in MARKERS and n != "README.md") or WEIGHTS.fullmatch(n)
+        }
+    return sorted(existing - new - stale)
+
+
+# --- OUT's identity -------------------------------------------------------------
+
+
+def _refuse(out: str, why: str, fix: str) -> OutputError:
+    return OutputError(f"The output folder {out} {why}. {fix}")
+
+
+def resolve_output(out: str) -> str:
+    """OUT's identity: the folder it names, symlinks and `..` resolved.
+
+    Refuses, before anything is read or written, what the two renames cannot
+    publish into: a dangling symlink, a path under a file or a symlink loop, a
+    mount point (a mount point cannot be renamed).
+    """
+    path = os.path.abspath(out)
+    ancestor, rest = path, []
+    while not os.path.lexists(ancestor):
+        ancestor, name = os.path.split(ancestor)
+        rest.insert(0, name)
+    try:
+        real = os.path.realpath(ancestor, strict=True)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            why = "lies under a symlink loop"
+        elif error.errno == errno.ENOENT:
+            why = f"is (or lies under) {ancestor}, a symlink to nothing"
+        else:
+            why = f"cannot be resolved ({error.strerror})"
+        raise _refuse(out, why, "Fix the path or choose another folder.") from error
+    if rest and not os.path.isdir(real):
+        raise _refuse(
+            out,
+            f"lies under {ancestor}, which is a file",
+            "Choose a folder whose parents are folders.",
+        )
+    resolved = os.path.join(real, *rest)
+    if not rest and os.path.isdir(resolved) and os.path.ismount(resolved):
+        raise _refuse(
+            out,
+            "is a mount point, and a merge publishes by renaming the output "
+            "folder, which a mount point cannot be",
+            f"Write into a folder inside it, e.g. {os.path.join(out, 'merged')}.",
+        )
+    return resolved
+
+
+def _key(target: str) -> str:
+    encoded = target.encode("utf-8", "surrogateescape")
+    return hashlib.sha256(encoded).hexdigest()[:12]
+
+
+# --- durable file-system steps ---------------------------------------------------
+
+
+def _fsync(path: str) -> None:
+    """Make a file's data, or a folder's entries, durable (where the OS can)."""
+    if os.name == "nt" and os.path.isdir(path):
+        return  # folders cannot be opened for fsync there
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(handle)
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every regular file and folder under root, root last."""
+    for folder, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(folder, name)
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                _fsync(path)
+        _fsync(folder)
+
+
+def _remove_tree(root: str) -> None:
+    """Remove root and everything under it (links themselves, not targets)."""
+    if not os.path.isdir(root) or os.path.islink(root):
+        os.unlink(root)
+        return
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(folder, name))
+        for name in dirs:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+    os.rmdir(root)
+
+
+def _carry(source: str, destination: str) -> None:
+    """Recreate source at destination with hard links (copies where the file
+    system has none): the user's files reach the new OUT without a copy."""
+    mode = os.lstat(source).st_mode
+    if stat.S_ISLNK(mode):
+        os.symlink(os.readlink(source), destination)
+    elif stat.S_ISDIR(mode):
+        os.mkdir(destination)
+        for name in sorted(os.listdir(source)):
+            _carry(os.path.join(source, name), os.path.join(destination, name))
+        os.chmod(destination, stat.S_IMODE(mode))
+    else:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.link(source, destination)
         except OSError as error:
-            os.close(handle)
-            if error.errno not in (errno.EAGAIN, errno.EACCES):
+            if error.errno not in NO_LINKS:
                 raise
-            raise OutputError(
-                f"Another merge is writing into {out} right now (it holds "
-                f"{path}). Wait for it to finish, or choose another output folder."
+            shutil.copy2(source, destination)
+
+
+# --- the lock ---------------------------------------------------------------------
+
+
+def lock_path(target: str) -> str:
+    return os.path.join(os.path.dirname(target), f"{TAG}{_key(target)}.lock")
+
+
+def _flock(handle: int) -> bool:
+    """Take an exclusive lock on an open file without waiting (False: busy)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: a byte-range lock on the file's first byte
+        import msvcrt
+
+        try:
+            msvcrt.locking(handle, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
+@contextmanager
+def locked(target: str, shown: str | None = None) -> Iterator[None]:
+    """Hold R's lock file (next to R) for the block; busy fails at once."""
+    path = lock_path(target)
+    while True:
+        try:
+            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise _refuse(
+                shown or target,
+                f"cannot be published: its parent folder {os.path.dirname(target)} "
+                f"does not accept new files ({error.strerror})",
+                "A merge writes next to the output folder and renames it; choose "
+                "a folder on a writable file system where you may create files.",
             ) from error
+        if not _flock(handle):
+            os.close(handle)
+            raise OutputError(
+                f"Another merge is writing into {shown or target} right now (it "
+                f"holds {path}). Wait for it to finish, or choose another output "
+                "folder."
+            )
         try:
             same = os.path.samestat(os.fstat(handle), os.stat(path))
         except FileNotFoundError:
@@ -117,134 +279,153 @@ def locked(out: str) -> Iterator[None]:
         os.close(handle)
 
 
-@contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises Terminated in the block (main thread only), so that
-    cleanup runs as for Ctrl-C; the previous handler is restored after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+# --- staging folders: made, proven ours, published, recovered ----------------------
 
-    def terminate(signum: int, _frame: object) -> None:
-        raise Terminated(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+def _started(pid: int) -> str | None:
+    """The process's start time where the OS tells it (tells a reused pid)."""
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
-@contextmanager
-def signals_held() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block (the swap and its undo) is done."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def _alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # another machine's (shared file system): never ours to judge
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
     try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    recorded = owner.get("started")
+    return recorded is None or _started(pid) in (None, recorded)
 
 
-@dataclass
-class Swap:
-    """What publishing moved, so that a failure half-way can undo it."""
+@dataclass(frozen=True)
+class Staging:
+    """One run's staging folder for the output folder `target`."""
 
-    out: str
-    aside: str
-    moved_aside: list[str] = field(default_factory=list)
-    moved_in: list[str] = field(default_factory=list)
+    target: str
+    root: str
 
-    def undo(self) -> None:
-        """Take the new files out of OUT and put the old ones back."""
-        for name in reversed(self.moved_in):
-            path = os.path.join(self.out, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-        for name in reversed(self.moved_aside):
-            os.replace(os.path.join(self.aside, name), os.path.join(self.out, name))
+    @property
+    def model(self) -> str:
+        """Where the merge is written (its last name is OUT's, for the card)."""
+        return os.path.join(self.root, STAGED, os.path.basename(self.target))
 
+    @property
+    def previous(self) -> str:
+        return os.path.join(self.root, PREVIOUS)
 
-def _publishing_order(name: str) -> int:
-    return MARKERS.index(name) if name in MARKERS else -1
+    @classmethod
+    def create(cls, target: str) -> Staging:
+        token = secrets.token_hex(8)
+        root = os.path.join(os.path.dirname(target), f"{TAG}{_key(target)}-{token}")
+        os.mkdir(root)
+        staging = cls(target, root)
+        try:
+            staging._mark(token)
+        except BaseException:
+            staging.recover()
+            raise
+        return staging
 
-
-def replaced_names(existing: set[str], new: set[str]) -> list[str]:
-    """The files of OUT a publish moves aside: what the new merge overwrites,
-    and a previous merge's markers and weights it does not (config.json
-    first, so OUT never pairs an old config with new weights)."""
-    stale = set()
-    if previous_merge(existing):  # a user's README.md only when a card replaces it
-        stale = {
-            n
-            for n in existing
-            if (n in MARKERS and n != "README.md") or WEIGHTS.fullmatch(n)
+    def _mark(self, token: str) -> None:
+        root, target = self.root, self.target
+        owner = {
+            "token": token,
+            "out": target,
+            "pid": os.getpid(),
+            "started": _started(os.getpid()),
+            "host": socket.gethostname(),
         }
-    chosen = (existing & new) | stale
-    return sorted(chosen, key=_publishing_order, reverse=True)
+        marker = os.path.join(root, OWNER)
+        handle = os.open(f"{marker}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(handle, json.dumps(owner).encode())
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+        os.rename(f"{marker}.tmp", marker)
+        os.mkdir(os.path.join(root, STAGED))
+        os.mkdir(self.model)
+        _fsync(root)
+        _fsync(os.path.dirname(target))
+
+    @classmethod
+    def found(cls, target: str, root: str) -> Staging | None:
+        """root as a staging folder of target's, if this package provably made
+        it and its owner is gone (else None: it is left alone)."""
+        match = STAGING.fullmatch(os.path.basename(root))
+        if match is None or match.group(1) != _key(target):
+            return None
+        if os.path.islink(root) or not os.path.isdir(root):
+            return None
+        names = set(os.listdir(root))
+        if names <= {f"{OWNER}.tmp"}:
+            return cls(target, root)  # killed before its marker was complete
+        try:
+            with open(os.path.join(root, OWNER), encoding="utf-8") as handle:
+                owner = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(owner, dict):
+            return None
+        if owner.get("token") != match.group(2) or owner.get("out") != target:
+            return None
+        return None if _alive(owner) else cls(target, root)
+
+    def publish(self) -> None:
+        """Carry the user's files over, then the two renames, each made durable."""
+        parent = os.path.dirname(self.target)
+        if os.path.isdir(self.target):
+            existing = set(os.listdir(self.target))
+            for name in carried_names(existing, set(os.listdir(self.model))):
+                _carry(os.path.join(self.target, name), os.path.join(self.model, name))
+            os.chmod(self.model, stat.S_IMODE(os.stat(self.target).st_mode))
+        _fsync_tree(self.model)
+        _fsync(os.path.dirname(self.model))
+        if os.path.isdir(self.target):
+            os.rename(self.target, self.previous)
+            _fsync(self.root)
+            _fsync(parent)
+        os.rename(self.model, self.target)
+        _fsync(parent)
+
+    def recover(self) -> None:
+        """The one rule: a moved-aside OUT goes back if OUT is missing; then
+        the staging folder goes (its marker last, so a kill leaves it provable)."""
+        if not os.path.isdir(self.root):
+            return
+        if os.path.isdir(self.previous) and not os.path.lexists(self.target):
+            os.rename(self.previous, self.target)
+            _fsync(os.path.dirname(self.target))
+        for name in (PREVIOUS, STAGED, f"{OWNER}.tmp"):
+            path = os.path.join(self.root, name)
+            if os.path.lexists(path):
+                _remove_tree(path)
+        if set(os.listdir(self.root)) <= {OWNER}:
+            if os.path.lexists(os.path.join(self.root, OWNER)):
+                os.unlink(os.path.join(self.root, OWNER))
+            os.rmdir(self.root)
 
 
-def publish(staged: str, out: str, aside: str) -> None:
-    """Swap the finished merge in `staged` into OUT; on failure OUT is restored.
-
-    A journal next to `aside` lists what the swap moves, so that a run killed
-    half-way is rolled back by the next run into OUT (`recover`).
-    """
-    if not os.path.isdir(out):
-        os.rename(staged, out)
-        return
-    new = sorted(os.listdir(staged), key=_publishing_order)
-    swap = Swap(out, aside)
-    replaced = replaced_names(set(os.listdir(out)), set(new))
-    os.makedirs(aside)
-    with open(f"{aside}{JOURNAL}", "w", encoding="utf-8") as handle:
-        json.dump({"aside": replaced, "new": new}, handle)
-    try:
-        for name in replaced:
-            os.replace(os.path.join(out, name), os.path.join(aside, name))
-            swap.moved_aside.append(name)
-        for name in new:
-            os.replace(os.path.join(staged, name), os.path.join(out, name))
-            swap.moved_in.append(name)
-    except BaseException:
-        swap.undo()
-        raise
-
-
-def recover(out: str, root: str) -> None:
-    """Undo the swap a killed run into OUT left half done; drop its staging."""
-    staged = os.path.join(root, os.path.basename(out))
-    aside = os.path.join(root, f".{os.path.basename(out)}.previous")
-    try:
-        with open(f"{aside}{JOURNAL}", encoding="utf-8") as handle:
-            journal = json.load(handle)
-    except (OSError, ValueError):
-        journal = None  # killed before the swap: OUT was never touched
-    if journal is not None:
-        swap = Swap(out, aside)
-        swap.moved_in = [
-            n
-            for n in journal["new"]
-            if os.path.lexists(os.path.join(out, n))
-            and not os.path.lexists(os.path.join(staged, n))
-        ]
-        swap.moved_aside = [
-            n for n in journal["aside"] if os.path.lexists(os.path.join(aside, n))
-        ]
-        swap.undo()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _recover_stale_staging(out: str, keep: str) -> None:
-    """What killed runs into OUT left (we hold OUT's lock, so they are dead)."""
-    parent = os.path.dirname(out)
-    prefix = os.path.basename(_staging_prefix(out))
+def recover_stale(target: str) -> None:
+    """Repair what killed runs into target left (we hold target's lock)."""
+    parent = os.path.dirname(target)
     for name in sorted(os.listdir(parent)):
         path = os.path.join(parent, name)
-        if name.startswith(prefix) and path != keep and os.path.isdir(path):
-            recover(out, path)
+        if not name.startswith(TAG):
+            continue
+        staging = Staging.found(target, path)
+        if staging is not None:
+            staging.recover()
 
 
 def _created_parents(out: str) -> list[str]:
@@ -257,30 +438,58 @@ def _created_parents(out: str) -> list[str]:
     return missing
 
 
-def staged_merge(out_path: str, write: Callable[[str], object]) -> None:
+def _no_space(error: OSError, out: str) -> OutputError:
+    return OutputError(
+        f"The disk is full: writing the merge for {out} failed ({error.strerror}"
+        f"{', ' + error.filename if error.filename else ''}). The output folder is "
+        "as it was; free space on that file system (the merge needs about the "
+        "size of one model next to the output folder) or choose another folder."
+    )
+
+
+def staged_merge(
+    out_path: str,
+    write: Callable[[str], object],
+    check: Callable[[], object] = lambda: None,
+) -> None:
     """Run `write(staged_folder)` and publish its result into `out_path`.
 
-    Until `write` returned and the swap succeeded, `out_path` is left as it
-    was; the staging folder (and any folder made for it) is removed whatever
-    happens, Ctrl-C and SIGTERM included.
+    Under OUT's lock, first repair what killed runs left, then `check()`,
+    then write and publish. Until the publish, OUT is as it was; the staging
+    folder (and any parent folder made for it) is removed whatever happens,
+    Ctrl-C and SIGTERM included (they interrupt the checks and the merge at
+    once, and wait while publishing); after SIGKILL the next run repairs it.
     """
-    out = os.path.abspath(out_path)
-    made = _created_parents(out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    root = f"{_staging_prefix(out)}{os.getpid()}-{secrets.token_hex(4)}"
+    target = resolve_output(out_path)
+    made = _created_parents(target)
     try:
-        with sigterm_unwinds(), locked(out):
-            _recover_stale_staging(out, keep=root)
-            check_output(out)
-            name = os.path.basename(out)
-            staged = os.path.join(root, name)
-            os.makedirs(staged)
+        with interruptions() as signals:
             try:
-                write(staged)
-                with signals_held():
-                    publish(staged, out, os.path.join(root, f".{name}.previous"))
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+            except OSError as error:
+                raise _refuse(
+                    out_path,
+                    f"cannot be created ({error.strerror})",
+                    "Choose a folder on a writable file system.",
+                ) from error
+            with locked(target, out_path):
+                recover_stale(target)
+                with signals.allowed():
+                    check()
+                check_output(target)
+                staging = None
+                try:
+                    staging = Staging.create(target)
+                    with signals.allowed():
+                        write(staging.model)
+                    staging.publish()
+                except OSError as error:
+                    if error.errno in NO_SPACE:
+                        raise _no_space(error, out_path) from error
+                    raise
+                finally:
+                    if staging is not None:
+                        staging.recover()
     except BaseException:
         for folder in reversed(made):
             try:

@@ -1,11 +1,12 @@
 """mergekit's run_merge for RAM merges: checked first, published by swap.
 
 For `ram` / `ramplus` configurations `run_merge` is wrapped so that it
-validates the configuration and every input's checkpoint headers, refuses an
-output folder that would change an input (OUT equal to or inside an input,
-or an input file linked into OUT), then lets mergekit write the whole merge
-into a private staging folder that `output_folder` publishes into out_path
-only once the merge succeeded. One `context.MergeRun` is open for the merge,
+takes OUT's lock (repairing what a killed run left), validates the
+configuration and every input's checkpoint headers, refuses an output folder
+that would change an input (OUT equal to, inside or holding an input, or
+holding a file an input reads), then lets mergekit write the whole merge into
+a private staging folder that `output_folder` publishes into out_path only
+once the merge succeeded. One `context.MergeRun` is open for the merge,
 so the planner's statistics reach the model card and nothing outlives it.
 """
 
@@ -39,12 +40,13 @@ def _inputs(config: Any) -> Iterator[tuple[str, str]]:
             yield role, path
 
 
-def refuse_input_folder(config: Any, out_path: str) -> None:
-    """OUT may not be, or lie inside, an input; no input file may link into it."""
-    problem = output_conflict(out_path, _inputs(config))
+def refuse_input_folder(config: Any, folder: str, role: str = "output folder") -> None:
+    """A folder we write (OUT, a report folder) may not be, contain or lie
+    inside an input, nor hold a file an input reads."""
+    problem = output_conflict(folder, _inputs(config), role)
     if problem:
         raise RAMInputError(
-            f"{problem}: the merge would overwrite it. Choose another output folder."
+            f"{problem}: writing there would change an input. Choose another {role}."
         )
 
 
@@ -61,10 +63,13 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(
                 merge_config, out_path, options=options, config_source=config_source
             )
+
+        def check() -> None:
+            validate_config(merge_config, options)
+            refuse_input_folder(merge_config, out_path)
+
         try:
             with merge_run():
-                validate_config(merge_config, options)
-                refuse_input_folder(merge_config, out_path)
                 staged_merge(
                     out_path,
                     lambda staged: original(
@@ -73,6 +78,7 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
                         options=options,
                         config_source=config_source,
                     ),
+                    check,
                 )
         except ClickInputError:
             raise

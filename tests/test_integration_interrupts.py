@@ -1,0 +1,60 @@
+"""mergekit_ram.integration.interrupts: one handler, raising only where allowed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from mergekit_ram.integration.interrupts import Terminated, interruptions
+
+
+def test_held_outside_allowed_raised_at_the_end():
+    before = signal.getsignal(signal.SIGINT)
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with interruptions():
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("after the signal")  # the step still runs
+            os.kill(os.getpid(), signal.SIGTERM)  # only the first one is raised
+            steps.append("after the second")
+    assert steps == ["after the signal", "after the second"]
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_inside_allowed_raises_at_once_and_pending_ones_on_entry():
+    reached = []
+    with pytest.raises(Terminated) as caught:
+        with interruptions() as signals:
+            with signals.allowed():
+                os.kill(os.getpid(), signal.SIGTERM)
+                reached.append("not reached")
+    assert caught.value.code == 128 + signal.SIGTERM and not reached
+    with pytest.raises(KeyboardInterrupt):
+        with interruptions() as signals:
+            os.kill(os.getpid(), signal.SIGINT)
+            with signals.allowed():
+                reached.append("not reached either")
+    assert not reached
+
+
+def test_ignored_signals_stay_ignored_and_threads_are_left_alone():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with interruptions():
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    seen = []
+
+    def in_a_thread():
+        with interruptions() as signals:
+            seen.append(signals.interruptible)
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [True]
