@@ -470,3 +470,17 @@ def test_a_killed_run_is_repaired_whatever_the_spelling(previous, tmp_path):
         staged_merge(os.path.relpath(previous), failing)
     assert tree(previous) == before
     assert ours_left(tmp_path) == []
+
+
+def test_a_mount_inside_out_is_refused(tmpfs, previous):
+    point = tmpfs()
+    target = previous / "scratch"
+    target.mkdir()
+    subprocess.run(["mount", "--bind", str(point), str(target)], check=True)
+    try:
+        before = tree(previous)
+        with pytest.raises(OutputError, match="holds scratch, a mount point"):
+            staged_merge(str(previous), writer(NEW))
+        assert tree(previous) == before
+    finally:
+        subprocess.run(["umount", str(target)], check=True)

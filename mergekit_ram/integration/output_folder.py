@@ -76,6 +76,13 @@ def check_output(out: str) -> None:
             "(a new one, or one a previous merge wrote)."
         )
     names = set(os.listdir(out)) if os.path.isdir(out) else set()
+    mounted = sorted(n for n in names if os.path.ismount(os.path.join(out, n)))
+    if mounted:
+        raise OutputError(
+            f"The output folder {out} holds {mounted[0]}, a mount point: publishing "
+            "moves OUT's own files into the new folder by hard links, which "
+            "cannot cross file systems. Unmount it, or choose another folder."
+        )
     foreign = sorted(n for n in names if WEIGHTS.fullmatch(n))
     if foreign and not previous_merge(names):
         raise OutputError(
