@@ -105,6 +105,8 @@ def run_interrupted(
         },
     )
     output = proc.stdout + proc.stderr
-    counted = [line for line in proc.stdout.splitlines() if line.startswith("STEPS ")]
-    steps = int(counted[-1].split()[1]) if counted else None
+    # A late signal may cut the child's last line short: only a whole one counts.
+    counted = [line.split() for line in proc.stdout.splitlines()]
+    counted = [int(w[1]) for w in counted if len(w) == 2 and w[0] == "STEPS"]
+    steps = counted[-1] if counted else None
     return proc.returncode, output, steps
