@@ -128,7 +128,7 @@ def test_folder_named_model_safetensors(family, tmp_path):
     (task / "model.safetensors").unlink()
     (task / "model.safetensors").mkdir()
     message = refused(family, tmp_path, task)
-    assert "model.safetensors is a folder, not a regular file" in message
+    assert "model.safetensors is a folder, where a regular file belongs" in message
 
 
 def test_named_pipe_refused_without_opening_it(family, tmp_path):

@@ -26,27 +26,31 @@ from mergekit_ram.core.checks import check_layout, uncomputable
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.weight_files import SINGLE_FILES
 
-# safetensors' dtype names; the ones torch has no dtype for (F4, F6_*) map to None.
+# safetensors' dtype names and torch's; a name torch (or this torch) has no
+# dtype for (F4, F6_*; U16-U64 before torch 2.3) maps to None.
 DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "C64": torch.complex64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    name: getattr(torch, attribute, None)
+    for name, attribute in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "F8_E8M0": "float8_e8m0fnu",
+        "C64": "complex64",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }.items()
 }
 FIX = (
     "Copy or download the checkpoint again (or save it again with "
@@ -110,8 +114,9 @@ def regular_file(path: str, role: str, model: str) -> None:
     kind = not_regular(path)
     if kind is not None:
         raise RAMInputError(
-            f"{role} {model}: {os.path.basename(path)} is {kind}, not a regular "
-            f"file. Put the real file there (or fix the link). {FIX}"
+            f"{role} {model}: {os.path.basename(path)} is {kind}, where a "
+            "regular file belongs. Put the real file there (or fix the link); "
+            "the merge has not started."
         )
 
 
