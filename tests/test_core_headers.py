@@ -16,12 +16,14 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from mergekit.config import MergeConfiguration
 from rejected_inputs import no_weight_reads
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.headers import check_models, model_tensors, safetensors_header
+from mergekit_ram.integration.validation import validate_config
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +133,13 @@ def test_folder_named_model_safetensors(family, tmp_path):
     assert "model.safetensors is a folder, where a regular file belongs" in message
 
 
-def test_named_pipe_refused_without_opening_it(family, tmp_path):
-    """A FIFO would block the merge forever; a watchdog unblocks a reader
-    after 30 s so that a regression fails instead of hanging."""
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_named_pipe_refused_without_opening_it(file, family, tmp_path):
+    """A FIFO blocks whoever opens it (the header check, transformers reading
+    config.json or the tokenizer) forever; a watchdog unblocks a reader after
+    30 s so that a regression fails instead of hanging."""
     task = copy_task(family, tmp_path)
-    pipe = task / "model.safetensors"
+    pipe = task / file
     pipe.unlink()
     os.mkfifo(pipe)
 
@@ -149,7 +153,7 @@ def test_named_pipe_refused_without_opening_it(family, tmp_path):
         message = refused(family, tmp_path, task)
     finally:
         watchdog.cancel()
-    assert "model.safetensors is a named pipe (FIFO)" in message
+    assert f"{file} is a named pipe (FIFO)" in message
 
 
 def test_dangling_symlink_reported_as_such(family, tmp_path):
@@ -291,3 +295,27 @@ def test_header_reader_checks_sizes(tmp_path):
     path.write_bytes(b"\x01")
     with pytest.raises(RAMInputError, match="header too small"):
         safetensors_header(str(path), "model", "m")
+
+
+def test_float8_outside_the_architecture_is_not_refused(family, tmp_path):
+    """Stock mergekit merges models with an F8_E8M0 (or float8) tensor its
+    architecture never reads; so does RAM. check_models alone, not knowing
+    the architecture, refuses it."""
+    extra = {
+        "model.extra_scale": torch.ones(4).to(torch.float8_e8m0fnu),
+        "model.extra_weight": torch.ones(4).to(torch.float8_e4m3fn),
+    }
+    paths = {}
+    for name in family.paths:
+        paths[name] = copy_task(family, tmp_path, name)
+        with_extra(paths[name], extra)
+    document = family.config_dict("ramplus")
+    document["base_model"] = str(paths["base"])
+    for entry, name in zip(document["models"], family.tasks):
+        entry["model"] = str(paths[name])
+    with no_weight_reads():
+        validate_config(MergeConfiguration.model_validate(document))
+    with pytest.raises(RAMInputError, match="model.extra_"):
+        check_models(
+            ("base_model", str(paths["base"])), [], compare=True, vocabulary_free=False
+        )

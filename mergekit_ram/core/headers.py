@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -230,14 +230,21 @@ def check_models(
     *,
     compare: bool,
     vocabulary_free: bool,
+    read: Collection[str] | None = None,
 ) -> None:
     """Read the headers of the base and task models (role, path) and refuse
     what the merge would trip over: a tensor RAM merges in a dtype torch cannot
     compute in; with `compare`, also a tensor the base has and a task lacks,
     or one whose kind or shape differs (a vocabulary axis is left to mergekit
-    when `vocabulary_free`: it aligns the rows)."""
+    when `vocabulary_free`: it aligns the rows). `read`: the tensor names
+    mergekit's architecture reads, when known; a tensor outside it is never
+    loaded, so only its presence is checked."""
     base_tensors = model_tensors(base[1], base[0])
-    merged = {name: t for name, t in base_tensors.items() if t.merged}
+    merged = {
+        name: t
+        for name, t in base_tensors.items()
+        if t.merged and (read is None or name in read)
+    }
     for name, tensor in merged.items():
         _computable(name, tensor, *base)
     for role, path in tasks:
@@ -249,7 +256,7 @@ def check_models(
                     raise _missing(name, expected, base, role, path)
                 continue
             if name not in merged:
-                continue
+                continue  # copied from the base, or never read
             _computable(name, found, role, path)
             if not compare or (found.merged and found.shape == expected.shape):
                 continue

@@ -19,6 +19,7 @@ import huggingface_hub
 from huggingface_hub import constants
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
+from mergekit.architecture import arch_info_for_config
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
@@ -109,6 +110,7 @@ def check_headers(
                 tasks,
                 compare=group.adds_base,
                 vocabulary_free=vocabulary_free,
+                read=_architecture_names(group.base, options),
             )
 
 
@@ -151,6 +153,25 @@ def model_config(path: str, role: str) -> dict:
             "not an object of settings. Save the model again with save_pretrained."
         )
     return document
+
+
+def _architecture_names(
+    reference: ModelReference, options: MergeOptions | None
+) -> frozenset[str] | None:
+    """The tensor names mergekit reads from a model of the base's architecture
+    (aliases and tied names included); None where mergekit has no definition
+    of it (it then infers one from the files: every tensor may be read)."""
+    trust = options is not None and options.trust_remote_code
+    try:
+        config = reference.config(trust_remote_code=trust)
+        architecture = arch_info_for_config(config)
+        weights = [] if architecture is None else architecture.all_weights(config)
+    except (OSError, ValueError, RuntimeError, KeyError, AttributeError):
+        return None  # mergekit reports these itself when it plans
+    names = set()
+    for weight in weights:
+        names.update((weight.name, *(weight.aliases or ()), *(weight.tied_names or ())))
+    return frozenset(names) or None
 
 
 def _local(reference: ModelReference) -> bool:
