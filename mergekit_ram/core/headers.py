@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -230,23 +230,38 @@ def check_models(
     *,
     compare: bool,
     vocabulary_free: bool,
-    read: Collection[str] | None = None,
+    read: Callable[[], Collection[str] | None] | None = None,
 ) -> None:
     """Read the headers of the base and task models (role, path) and refuse
     what the merge would trip over: a tensor RAM merges in a dtype torch cannot
     compute in; with `compare`, also a tensor the base has and a task lacks,
     or one whose kind or shape differs (a vocabulary axis is left to mergekit
-    when `vocabulary_free`: it aligns the rows). `read`: the tensor names
-    mergekit's architecture reads, when known; a tensor outside it is never
-    loaded, so only its presence is checked."""
+    when `vocabulary_free`: it aligns the rows).
+
+    `read` returns the tensor names mergekit's architecture reads (None:
+    unknown); a tensor outside them is never loaded, so its dtype does not
+    matter. It is called only when some dtype would be refused.
+    """
+    names: list[Collection[str] | None] = []
+
+    def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
+        problem = _dtype_problem(tensor)
+        if problem is None:
+            return
+        if read is not None and not names:
+            names.append(read())
+        if names and names[0] is not None and name not in names[0]:
+            return
+        raise RAMInputError(
+            f"Tensor {name} of {role} {path} ({tensor.file}) is stored as "
+            f"{tensor.dtype_name}, which {problem}. Convert the checkpoint to "
+            "bfloat16, float16 or float32 (dequantize it) before merging."
+        )
+
     base_tensors = model_tensors(base[1], base[0])
-    merged = {
-        name: t
-        for name, t in base_tensors.items()
-        if t.merged and (read is None or name in read)
-    }
+    merged = {name: t for name, t in base_tensors.items() if t.merged}
     for name, tensor in merged.items():
-        _computable(name, tensor, *base)
+        computable(name, tensor, *base)
     for role, path in tasks:
         tensors = model_tensors(path, role)
         for name, expected in base_tensors.items():
@@ -256,8 +271,8 @@ def check_models(
                     raise _missing(name, expected, base, role, path)
                 continue
             if name not in merged:
-                continue  # copied from the base, or never read
-            _computable(name, found, role, path)
+                continue  # copied from the base
+            computable(name, found, role, path)
             if not compare or (found.merged and found.shape == expected.shape):
                 continue
             if vocabulary_free and found.shape[1:] == expected.shape[1:]:
@@ -274,18 +289,10 @@ def check_models(
             )
 
 
-def _computable(name: str, tensor: Tensor, role: str, path: str) -> None:
-    problem = (
-        uncomputable(tensor.dtype)
-        if tensor.dtype is not None
-        else ("has no torch dtype")
-    )
-    if problem is not None:
-        raise RAMInputError(
-            f"Tensor {name} of {role} {path} ({tensor.file}) is stored as "
-            f"{tensor.dtype_name}, which {problem}. Convert the checkpoint to "
-            "bfloat16, float16 or float32 (dequantize it) before merging."
-        )
+def _dtype_problem(tensor: Tensor) -> str | None:
+    if tensor.dtype is None:
+        return "has no torch dtype"
+    return uncomputable(tensor.dtype)
 
 
 def _missing(

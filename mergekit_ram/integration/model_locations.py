@@ -110,7 +110,7 @@ def check_headers(
                 tasks,
                 compare=group.adds_base,
                 vocabulary_free=vocabulary_free,
-                read=_architecture_names(group.base, options),
+                read=lambda base=group.base: _architecture_names(base, options),
             )
 
 
