@@ -91,7 +91,7 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= REASON_LIMIT else f"{text[:REASON_LIMIT]}…"
 
 
-def not_regular(path: str) -> str | None:
+def _not_regular(path: str) -> str | None:
     """What `path` is when it is not a regular file (or a link to one), else None.
 
     Checked with stat, which never blocks: opening a named pipe would.
@@ -111,7 +111,7 @@ def not_regular(path: str) -> str | None:
 
 def regular_file(path: str, role: str, model: str) -> None:
     """Refuse `path` unless it is a regular file, before anything opens it."""
-    kind = not_regular(path)
+    kind = _not_regular(path)
     if kind is not None:
         raise RAMInputError(
             f"{role} {model}: {os.path.basename(path)} is {kind}, where a "

@@ -14,6 +14,7 @@ import json
 import os
 import stat
 from collections.abc import Iterator
+from functools import partial
 
 import huggingface_hub
 from huggingface_hub import constants
@@ -110,7 +111,7 @@ def check_headers(
                 tasks,
                 compare=group.adds_base,
                 vocabulary_free=vocabulary_free,
-                read=lambda base=group.base: _architecture_names(base, options),
+                read=partial(_architecture_names, group.base, options),
             )
 
 
@@ -123,11 +124,12 @@ def check_layer_ranges(config: MergeConfiguration) -> None:
             if source.layer_range is None or not _local(source.model):
                 continue
             path = source.model.model.path
-            layers = model_config(path, "model").get("num_hidden_layers")
+            where = f"slices[{index}].sources[{number}]"
+            layers = model_config(path, f"{where}.model").get("num_hidden_layers")
             start, end = source.layer_range
             if isinstance(layers, int) and not 0 <= start < end <= layers:
                 raise RAMInputError(
-                    f"slices[{index}].sources[{number}].layer_range: "
+                    f"{where}.layer_range: "
                     f"[{start}, {end}] is outside model {path}, which has "
                     f"{layers} layers (num_hidden_layers in its config.json). "
                     f"A range [start, end] needs 0 ≤ start < end ≤ {layers}."
