@@ -15,9 +15,11 @@ MODELS (the family's directory) and CWD (the scratch directory).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -153,6 +155,67 @@ def _truncated(ws: Workspace, name: str, copy: str) -> str:
     return path
 
 
+def _weights_replaced(
+    ws: Workspace, name: str, copy: str, make: Callable[[Path], None]
+) -> str:
+    """A copy of family model `name` as ./copy whose model.safetensors is
+    removed and then made anew by `make(path)`."""
+    path = ws.root / copy
+    if not path.exists():
+        shutil.copytree(ws.family.paths[name], path)
+        (path / "model.safetensors").unlink()
+        make(path / "model.safetensors")
+    return str(path)
+
+
+def _overlapping(path: Path) -> None:
+    """A safetensors file whose two tensors share bytes."""
+    header = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        }
+    ).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(12))
+
+
+def _float8(state: dict[str, torch.Tensor]) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = state[name].to(torch.float8_e4m3fn)
+
+
+def _bad_config_json(ws: Workspace) -> str:
+    path = ws.root / "bad-config"
+    if not path.exists():
+        shutil.copytree(ws.family.paths["beta"], path)
+        (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    return str(path)
+
+
+def _slices(ws: Workspace, layer_range: list[int]) -> list[dict]:
+    return [
+        {
+            "sources": [
+                {"model": ws.family.paths[name], "layer_range": layer_range}
+                for name in ("base", "alpha", "beta")
+            ]
+        }
+    ]
+
+
+# 9 aliases of 9 aliases ... (five levels): 320 bytes that expand to 59049
+# model entries (mergekit-ram printed a pydantic error for each one).
+ALIAS_BOMB = (
+    "a: &a [{modle: x}, {modle: x}, {modle: x}, {modle: x}, {modle: x}, "
+    "{modle: x}, {modle: x}, {modle: x}, {modle: x}]\n"
+    + "".join(
+        f"{new}: &{new} [{', '.join([f'*{old}'] * 9)}]\n"
+        for old, new in zip("abcd", "bcde")
+    )
+    + "merge_method: ramplus\nmodels: *e\n"
+)
+
+
 def _extra_token(state: dict[str, torch.Tensor]) -> None:
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         state[name] = torch.cat([state[name], state[name][:1]])
@@ -167,10 +230,22 @@ CASES: tuple[Case, ...] = (
         ("line 4", "Fix the syntax"),
     ),
     Case(
+        "yaml-alias-bomb",
+        "a 320-byte YAML whose aliases expand to 59049 models",
+        lambda ws: ALIAS_BOMB,
+        ("aliases (*name) that expand to more than 100000 values",),
+    ),
+    Case(
         "schema-missing-key",
         "a model entry without `model:` (typo `modle:`)",
         lambda ws: ws.config(models=[{"modle": ws.family.paths["alpha"]}]),
         ("models[0].model is required",),
+    ),
+    Case(
+        "schema-many-problems",
+        "40 model entries without `model:`",
+        lambda ws: ws.config(models=[{"modle": f"m{i}"} for i in range(40)]),
+        ("models[4].model is required", "and 35 more problem(s)"),
     ),
     Case(
         "schema-bad-value",
@@ -303,7 +378,69 @@ CASES: tuple[Case, ...] = (
         lambda ws: ws.config(
             models=ws.models("alpha", {"model": _truncated(ws, "beta", "cut-beta")})
         ),
-        ("CWD/cut-beta", "model.safetensors is truncated", "tensor"),
+        ("CWD/cut-beta", "not a valid safetensors file", "not fully covered"),
+    ),
+    Case(
+        "overlapping-tensors",
+        "a model.safetensors whose tensors overlap",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha",
+                {"model": _weights_replaced(ws, "beta", "overlap", _overlapping)},
+            )
+        ),
+        ("CWD/overlap", "not a valid safetensors file", "invalid offset"),
+    ),
+    Case(
+        "weights-folder",
+        "a folder named model.safetensors",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha",
+                {"model": _weights_replaced(ws, "beta", "folder", Path.mkdir)},
+            )
+        ),
+        ("CWD/folder", "model.safetensors is a folder, where a regular file belongs"),
+    ),
+    Case(
+        "dangling-weights-link",
+        "a model.safetensors symlink to a file that is gone",
+        lambda ws: ws.config(
+            models=ws.models(
+                "alpha",
+                {
+                    "model": _weights_replaced(
+                        ws,
+                        "beta",
+                        "dangling",
+                        lambda p: p.symlink_to(p.parent / "gone"),
+                    )
+                },
+            )
+        ),
+        ("CWD/dangling", "model.safetensors is a symlink to", "does not exist"),
+    ),
+    Case(
+        "float8-weights",
+        "a task model with one float8 (F8_E4M3) tensor",
+        lambda ws: ws.config(
+            models=ws.models("alpha", {"model": ws.altered("beta", "fp8", _float8)})
+        ),
+        ("model.layers.0.mlp.up_proj.weight", "CWD/fp8", "F8_E4M3", "bfloat16"),
+    ),
+    Case(
+        "invalid-config-json",
+        "a task model whose config.json is not valid JSON",
+        lambda ws: ws.config(
+            models=ws.models("alpha", {"model": _bad_config_json(ws)})
+        ),
+        ("models[1].model", "config.json is not valid JSON"),
+    ),
+    Case(
+        "slice-out-of-range",
+        "a slice `layer_range: [0, 5]` of 2-layer models",
+        lambda ws: ws.config(models=None, slices=_slices(ws, [0, 5])),
+        ("slices[0].sources[0].layer_range", "has 2 layers", "0 ≤ start < end ≤ 2"),
     ),
     Case(
         "missing-lm-head",
@@ -454,6 +591,26 @@ CASES: tuple[Case, ...] = (
         lambda ws: ws.config(models=[ws.task("alpha", unique_scale=[1.0, 1.2])]),
         ("unique_scale for model MODELS/alpha", "remove its filter or gradient"),
     ),
+    # ---- dtypes and devices
+    Case(
+        "dtype-misspelled",
+        "`dtype: bf16`",
+        lambda ws: ws.config(dtype="bf16"),
+        ("dtype: 'bf16'", "did you mean bfloat16?"),
+    ),
+    Case(
+        "out-dtype-not-float",
+        "`out_dtype: bool`",
+        lambda ws: ws.config(out_dtype="bool"),
+        ("out_dtype: 'bool'", "bfloat16, float16, float32, float64"),
+    ),
+    Case(
+        "unknown-device",
+        "`--device tpu9`",
+        lambda ws: ws.config(),
+        ("--device tpu9", "cpu, cuda, cuda:N"),
+        args=("--device", "tpu9"),
+    ),
     # ---- the tensors, found while merging
     Case(
         "nan-in-tensor",
@@ -486,6 +643,14 @@ CASES: tuple[Case, ...] = (
         ),
         ("mergekit-ram analyze needs a base_model",),
         command="analyze",
+    ),
+    Case(
+        "analyze-unknown-device",
+        "`mergekit-ram analyze --device tpu9`",
+        lambda ws: ws.config(),
+        ("--device tpu9", "cpu, cuda, cuda:N"),
+        command="analyze",
+        args=("--device", "tpu9"),
     ),
 )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import reference
 import torch
@@ -19,6 +20,7 @@ from tensors import (
 )
 
 import mergekit_ram
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.methods import GlobalStatisticsMissing
 
 TASK_IDS = ["coder", "tool", "memory"]
@@ -509,3 +511,69 @@ def test_epsilon_parameter_used_for_statistics(model_set):
     _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
     assert lam != default_lam
     assert all(torch.equal(out[k], expected[k]) for k in base)
+
+
+NOT_TENSORS = {
+    "None": (None, "is None"),
+    "list": ([0.5, 0.5, 0.5, 0.5], "is a list"),
+    "numpy": (np.full(4, 0.5, dtype=np.float32), "is a numpy.ndarray"),
+    "meta": (torch.empty(4, device="meta"), "is a meta tensor"),
+}
+
+
+@pytest.mark.parametrize("method", ["ramplus", "linear"])
+@pytest.mark.parametrize("kind", sorted(NOT_TENSORS))
+def test_merge_tensors_refuses_what_is_not_a_tensor(kind, method):
+    """Issue 17 item 9: these raised AttributeError / RuntimeError."""
+    value, says = NOT_TENSORS[kind]
+    with pytest.raises(RAMInputError, match=f"merge_tensors: input 1 {says}"):
+        mergekit_ram.merge_tensors(
+            [torch.zeros(4), value],
+            method,
+            base_index=0,
+            parameters={"weight": 1.0} if method == "linear" else None,
+        )
+
+
+def test_merge_tensors_refuses_a_meta_base():
+    with pytest.raises(RAMInputError, match="input 0 is a meta tensor"):
+        mergekit_ram.merge_tensors(
+            [torch.empty(4, device="meta"), torch.ones(4)], "ramplus", base_index=0
+        )
+
+
+@pytest.mark.parametrize("kind", ["None", "meta"])
+def test_merge_state_dicts_refuses_what_is_not_a_tensor(kind):
+    value, says = NOT_TENSORS[kind]
+    models = {"base": {"w": torch.zeros(4)}, "task": {"w": value}}
+    with pytest.raises(RAMInputError, match=f"model 'task': tensor w {says}"):
+        mergekit_ram.merge_state_dicts(models, "ramplus", base="base")
+
+
+def test_float8_inputs_refused_before_the_kernel():
+    """torch has no arithmetic for float8 ("sum_cpu" not implemented)."""
+    tensors = [
+        torch.zeros(4).to(torch.float8_e4m3fn),
+        torch.ones(4).to(torch.float8_e4m3fn),
+    ]
+    with pytest.raises(RAMInputError, match="float8_e4m3fn, which torch has no"):
+        mergekit_ram.merge_tensors(tensors, "ramplus", base_index=0)
+
+
+@pytest.mark.parametrize("base_at", [0, 1])
+def test_integer_base_is_kept_as_in_a_config_merge(base_at):
+    """One rule for both paths (issue 17 item 9): a non-float base buffer is
+    the output, as RAMMergeTask and merge_state_dicts keep it; mergekit's
+    merge_tensors would promote it and merge 2.5 into it."""
+    base = torch.arange(4)
+    tensors = [torch.full((4,), 2.5)]
+    tensors.insert(base_at, base)
+    merged = mergekit_ram.merge_tensors(tensors, "ramplus", base_index=base_at)
+    assert merged.dtype == torch.int64 and torch.equal(merged, base)
+    assert merged.data_ptr() != base.data_ptr()
+    states = mergekit_ram.merge_state_dicts(
+        {"base": {"x": base}, "task": {"x": tensors[1 - base_at]}},
+        "ramplus",
+        base="base",
+    )
+    assert torch.equal(states["x"], merged)

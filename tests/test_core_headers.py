@@ -1,5 +1,6 @@
-"""Headers before weights (issue finding 9): every input's checkpoint files are
-checked from their headers, and problems are one Error paragraph, no traceback."""
+"""Headers before weights (issue finding 9, issue 17 items 5, 7 and 10): every
+input's checkpoint files are checked from their headers (validated by the
+safetensors library), and problems are one Error paragraph, no traceback."""
 
 from __future__ import annotations
 
@@ -7,18 +8,22 @@ import json
 import os
 import pickle
 import shutil
+import struct
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from mergekit.config import MergeConfiguration
 from rejected_inputs import no_weight_reads
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.headers import model_tensors, safetensors_header
+from mergekit_ram.core.headers import check_models, model_tensors, safetensors_header
+from mergekit_ram.integration.validation import validate_config
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,8 @@ def test_truncated_file_names_model_file_and_tensor(family, tmp_path):
     weights = task / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     message = refused(family, tmp_path, task)
-    assert "model.safetensors is truncated: tensor" in message
+    assert "model.safetensors is not a valid safetensors file" in message
+    assert "file not fully covered" in message
 
 
 def test_corrupt_header(family, tmp_path):
@@ -65,14 +71,146 @@ def test_corrupt_header(family, tmp_path):
     data = bytearray(weights.read_bytes())
     data[8:12] = b"\xff\xfe{["
     weights.write_bytes(bytes(data))
-    assert "corrupt header" in refused(family, tmp_path, task)
+    assert "invalid UTF-8 in header" in refused(family, tmp_path, task)
 
 
 def test_huge_header_length(family, tmp_path):
     task = copy_task(family, tmp_path)
     weights = task / "model.safetensors"
     weights.write_bytes((2**40).to_bytes(8, "little") + weights.read_bytes()[8:])
-    assert "truncated or not a safetensors file" in refused(family, tmp_path, task)
+    assert "header too large" in refused(family, tmp_path, task)
+
+
+def raw_safetensors(path: Path, header: dict, data_bytes: int) -> None:
+    """A safetensors file with exactly this JSON header and zeroed data."""
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data_bytes))
+
+
+def f32(begin, end, shape=None) -> dict:
+    shape = [(end - begin) // 4] if shape is None else shape
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+# Headers the hand parser let through (or crashed on); safetensors refuses them.
+CORRUPT = {
+    "overlapping-offsets": ({"a": f32(0, 8), "b": f32(4, 12)}, 12, "invalid offset"),
+    "trailing-bytes": ({"a": f32(0, 8)}, 16, "not fully covered"),
+    "non-string-metadata": (
+        {"__metadata__": {"format": 1}, "a": f32(0, 8)},
+        8,
+        "expected a string",
+    ),
+    "negative-shape": ({"a": f32(0, 8, shape=[-2])}, 8, "expected usize"),
+    "float-offsets": (
+        {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}},
+        8,
+        "expected usize",
+    ),
+    "unknown-dtype": (
+        {"a": {"dtype": "F12", "shape": [2], "data_offsets": [0, 8]}},
+        8,
+        "unknown variant",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_safetensors_refused_before_weights(case, family, tmp_path):
+    header, size, reason = CORRUPT[case]
+    task = copy_task(family, tmp_path)
+    raw_safetensors(task / "model.safetensors", header, size)
+    message = refused(family, tmp_path, task)
+    assert "model.safetensors is not a valid safetensors file" in message
+    assert reason in message and message.count("Error:") == 1
+
+
+def test_folder_named_model_safetensors(family, tmp_path):
+    task = copy_task(family, tmp_path)
+    (task / "model.safetensors").unlink()
+    (task / "model.safetensors").mkdir()
+    message = refused(family, tmp_path, task)
+    assert "model.safetensors is a folder, where a regular file belongs" in message
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_named_pipe_refused_without_opening_it(file, family, tmp_path):
+    """A FIFO blocks whoever opens it (the header check, transformers reading
+    config.json or the tokenizer) forever; a watchdog unblocks a reader after
+    30 s so that a regression fails instead of hanging."""
+    task = copy_task(family, tmp_path)
+    pipe = task / file
+    pipe.unlink()
+    os.mkfifo(pipe)
+
+    def unblock():
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    watchdog = threading.Timer(30, unblock)
+    watchdog.start()
+    try:
+        message = refused(family, tmp_path, task)
+    finally:
+        watchdog.cancel()
+    assert f"{file} is a named pipe (FIFO)" in message
+
+
+def test_dangling_symlink_reported_as_such(family, tmp_path):
+    task = copy_task(family, tmp_path)
+    (task / "model.safetensors").unlink()
+    (task / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    message = refused(family, tmp_path, task)
+    assert "model.safetensors is a symlink to" in message
+    assert "which does not exist" in message and "lm_head" not in message
+
+
+def with_extra(task: Path, tensors: dict[str, torch.Tensor]) -> None:
+    state = load_file(str(task / "model.safetensors"))
+    state.update(tensors)
+    save_file(state, str(task / "model.safetensors"))
+
+
+def test_unsigned_and_e8m0_dtypes_are_read(tmp_path):
+    """Valid dtypes the hand parser called a "corrupt header"."""
+    path = tmp_path / "model.safetensors"
+    dtypes = [torch.uint16, torch.uint32, torch.uint64, torch.float8_e8m0fnu]
+    save_file({str(d): torch.ones(3).to(d) for d in dtypes}, str(path))
+    found = model_tensors(str(tmp_path), "model")
+    assert {name: t.dtype for name, t in found.items()} == {str(d): d for d in dtypes}
+
+
+def test_unsigned_buffers_pass_the_checks(family, tmp_path):
+    """Stock mergekit merges models with uint16/32/64 tensors (it copies an
+    agreed buffer); so does the check: RAM copies the base's."""
+    extra = {
+        f"model.u{bits}": torch.arange(4).to(getattr(torch, f"uint{bits}"))
+        for bits in (16, 32, 64)
+    }
+    paths = {}
+    for name in ("base", "alpha"):
+        paths[name] = copy_task(family, tmp_path, name)
+        with_extra(paths[name], extra)
+    check_models(
+        ("base_model", str(paths["base"])),
+        [("models[0].model", str(paths["alpha"]))],
+        compare=True,
+        vocabulary_free=False,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_weights_refused_with_a_clear_message(dtype, family, tmp_path):
+    """Stock mergekit fails on float8 weights ("add_stub" not implemented for
+    'Float8_e4m3fn'); RAM's checks said "sum_cpu" deep in the merge."""
+    task = copy_task(family, tmp_path)
+    state = load_file(str(task / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = state[name].to(dtype)
+    save_file(state, str(task / "model.safetensors"))
+    message = refused(family, tmp_path, task)
+    assert f"Tensor {name} of models[1].model {task}" in message
+    assert "torch has no arithmetic" in message and "bfloat16" in message
 
 
 def sharded(family, tmp_path: Path) -> Path:
@@ -155,5 +293,29 @@ def test_header_reader_checks_sizes(tmp_path):
     save_file({"a": torch.ones(4)}, str(path))
     assert safetensors_header(str(path), "model", "m")["a"].shape == (4,)
     path.write_bytes(b"\x01")
-    with pytest.raises(RAMInputError, match="too short for a header"):
+    with pytest.raises(RAMInputError, match="header too small"):
         safetensors_header(str(path), "model", "m")
+
+
+def test_float8_outside_the_architecture_is_not_refused(family, tmp_path):
+    """Stock mergekit merges models with an F8_E8M0 (or float8) tensor its
+    architecture never reads; so does RAM. check_models alone, not knowing
+    the architecture, refuses it."""
+    extra = {
+        "model.extra_scale": torch.ones(4).to(torch.float8_e8m0fnu),
+        "model.extra_weight": torch.ones(4).to(torch.float8_e4m3fn),
+    }
+    paths = {}
+    for name in family.paths:
+        paths[name] = copy_task(family, tmp_path, name)
+        with_extra(paths[name], extra)
+    document = family.config_dict("ramplus")
+    document["base_model"] = str(paths["base"])
+    for entry, name in zip(document["models"], family.tasks):
+        entry["model"] = str(paths[name])
+    with no_weight_reads():
+        validate_config(MergeConfiguration.model_validate(document))
+    with pytest.raises(RAMInputError, match="model.extra_"):
+        check_models(
+            ("base_model", str(paths["base"])), [], compare=True, vocabulary_free=False
+        )

@@ -3,9 +3,11 @@
 They differ from mergekit's own in making global RAM+ work: the in-memory
 functions count the whole input before merging and pass λ as `unique_scale`;
 `run_merge` keeps the caller's configuration and recipe intact (the planner
-hook does the counting, the run_merge wrapper the staging). For `ram` /
-`ramplus` the in-memory functions also check every tensor group's layout
-first and take integer / bool buffers from the base model.
+hook does the counting, the run_merge wrapper the staging). The in-memory
+functions refuse an input that is not a tensor with data (None, a list, a
+numpy array, a meta tensor) as a RAMInputError naming it; for `ram` /
+`ramplus` they also check every tensor group's layout and dtype first and
+take integer / bool buffers from the base model, as a config merge does.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import MergeMethod, PerGroupValues
 from mergekit.options import MergeOptions
 
-from mergekit_ram.core.checks import finite_inputs
+from mergekit_ram.core.checks import finite_inputs, uncomputable
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import (
     SCALAR_KEYS,
     MergeSettings,
@@ -88,6 +91,37 @@ def _settings(method: RAMMerge, parameters: Mapping[str, Any]) -> MergeSettings:
     return MergeSettings(
         **{key: _shared(method, parameters, key, 0) for key in SCALAR_KEYS}
     )
+
+
+def _check_inputs(
+    where: str, tensors: Iterable[tuple[Hashable, Any]], ours: bool
+) -> None:
+    """Each (label, input) is a torch.Tensor holding data; for RAM, in a
+    dtype torch computes in. `where` and the label name it in the message."""
+    for label, tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            kind = type(tensor)
+            kind = (
+                kind.__qualname__
+                if kind.__module__ == "builtins"
+                else (f"{kind.__module__}.{kind.__qualname__}")
+            )
+            kind = "None" if tensor is None else f"a {kind}"
+            raise RAMInputError(
+                f"{where}: {label} is {kind}, not a torch.Tensor. Pass "
+                "tensors (torch.as_tensor converts a list or numpy array)."
+            )
+        if tensor.is_meta:
+            raise RAMInputError(
+                f"{where}: {label} is a meta tensor, which has a shape but "
+                "no values to merge. Load or materialize its weights first."
+            )
+        problem = uncomputable(tensor.dtype) if ours else None
+        if problem:
+            raise RAMInputError(
+                f"{where}: {label} is {tensor.dtype}, which {problem}. "
+                "Convert it to bfloat16, float16 or float32 first."
+            )
 
 
 def _explicit(value: Any, task_ids: Sequence[Hashable]) -> dict[Hashable, Any]:
@@ -162,10 +196,21 @@ def merge_tensors(
     dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """mergekit's merge_tensors; for global RAM+ the one tensor is the whole input."""
+    """mergekit's merge_tensors; for global RAM+ the one tensor is the whole input.
+
+    With RAM, a non-float base (an integer or bool buffer) is returned as the
+    base has it, as in a config merge (mergekit would promote it to the task
+    tensors' float dtype and merge).
+    """
     method = _method(method)
     ids = list(range(len(tensors))) if ids is None else list(ids)
+    ours = isinstance(method, RAMMerge)
+    _check_inputs(
+        "merge_tensors", ((f"input {i}", t) for i, t in zip(ids, tensors)), ours
+    )
     base = ids[base_index] if base_index is not None else None
+    if ours and base is not None and not tensors[base_index].is_floating_point():
+        return tensors[base_index].clone()
     parameters = _checked_parameters(
         method,
         parameters,
@@ -207,6 +252,13 @@ def merge_state_dicts(
         for key, m in items
     }
     ids = list(dicts)
+    for key, state in dicts.items():
+        if isinstance(state, Mapping):
+            _check_inputs(
+                f"merge_state_dicts: model {key!r}",
+                ((f"tensor {n}", t) for n, t in state.items()),
+                isinstance(method, RAMMerge),
+            )
     names = (
         [n for n in dicts[ids[0]] if all(n in d for d in dicts.values())] if ids else []
     )

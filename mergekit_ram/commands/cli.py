@@ -35,14 +35,30 @@ def main() -> None:
     install()
 
 
+VALUE_LIMIT = 100_000  # YAML values after aliases are expanded; a config has hundreds
+SHOWN_LIMIT = 200  # characters of an offending value echoed back
+PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
+
+
 def _load(config_file: str) -> tuple[MergeConfiguration, str]:
     """The configuration and its text; bad YAML or schema is a RAMInputError."""
     with open(config_file, encoding="utf-8") as handle:
         source = handle.read()
+    loader = yaml.SafeLoader(source)
     try:
-        document = yaml.safe_load(source)
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > VALUE_LIMIT:
+            raise RAMInputError(
+                f"{config_file} uses YAML aliases (*name) that expand to more "
+                f"than {VALUE_LIMIT} values, far more than any merge "
+                "configuration needs (an alias bomb?). Write the configuration "
+                "out without nesting aliases."
+            )
+        document = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as error:
         raise RAMInputError(_yaml_problem(config_file, error)) from error
+    finally:
+        loader.dispose()
     try:
         return MergeConfiguration.model_validate(document), source
     except ValidationError as error:
@@ -53,6 +69,26 @@ def _load(config_file: str) -> tuple[MergeConfiguration, str]:
         f"{config_file} is not a valid mergekit configuration: {problem}. "
         "example_configs/ holds working RAM and RAM+ configurations."
     )
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for once every alias is expanded.
+
+    An alias is the same node object in several places: counting each node
+    once (memoized by identity) costs what the text costs, while the
+    expanded document can be exponentially larger.
+    """
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = VALUE_LIMIT + 1  # a recursive alias expands forever
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(item, sizes) for item in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            size += _expanded_size(key, sizes) + _expanded_size(value, sizes)
+    sizes[id(node)] = min(size, VALUE_LIMIT + 1)
+    return sizes[id(node)]
 
 
 def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
@@ -85,7 +121,9 @@ def _schema_problems(error: ValidationError) -> str:
         else:
             text = f": {_shown(items[0]['input'])} is not a valid value"
         problems.append(_dotted(loc) + text)
-    return "; ".join(problems)
+    more = len(problems) - PROBLEM_LIMIT
+    shown = "; ".join(problems[:PROBLEM_LIMIT])
+    return shown if more <= 0 else f"{shown}; and {more} more problem(s)"
 
 
 def _common_prefix(locs: list[tuple]) -> tuple:
@@ -106,7 +144,9 @@ def _dotted(loc: tuple) -> str:
 
 
 def _shown(value: Any) -> str:
-    return json.dumps(value, default=str, ensure_ascii=False)
+    """A value as JSON, cut short: what a user typed may be huge."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= SHOWN_LIMIT else f"{text[:SHOWN_LIMIT]}…"
 
 
 def _finite_number(

@@ -83,6 +83,21 @@ def check_layout(
     )
 
 
+def uncomputable(dtype: torch.dtype) -> str | None:
+    """Why a merge cannot compute with tensors of `dtype` (None: it can).
+
+    torch implements no arithmetic for its 8-bit (and smaller) float types,
+    so stock mergekit 0.1.5 fails on them too ("add_stub" not implemented);
+    they are refused up front instead of inside the merge.
+    """
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return (
+            "torch has no arithmetic for (a quantized format; mergekit 0.1.5 "
+            "cannot merge it either)"
+        )
+    return None
+
+
 def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether every element is finite.
 

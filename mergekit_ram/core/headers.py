@@ -1,125 +1,155 @@
 """Every input's checkpoint files checked from their headers, before a weight is read.
 
-A safetensors file starts with an 8-byte length and a JSON header naming each
-tensor's dtype, shape and byte range; an index names the shard of every
-tensor. Reading those (a few kilobytes per file) finds a truncated or corrupt
-file, a missing shard, a tensor the base has and a task model lacks, and a
-shape that differs, each as one RAMInputError naming model, file and tensor,
-where mergekit would fail with a traceback deep in the merge, or silently
-merge a task's embed_tokens as its missing lm_head. Pickled `.bin` files are
-only ever opened with weights-only unpickling.
+The safetensors library validates each file's header (opening a file reads
+only its header: a corrupt, truncated or padded file, overlapping tensors,
+a bad dtype or shape all fail there); a pickled `.bin` is only ever opened
+with weights-only unpickling. What stays ours is what no single file can
+know: a missing shard, a tensor the base has and a task model lacks (mergekit
+would silently merge a task's embed_tokens as its missing lm_head), a shape
+or kind that differs, and a dtype torch cannot compute a merge in. Each
+problem is one RAMInputError naming model, file and tensor, where mergekit
+would fail with a traceback deep in the merge, or hang on a named pipe.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import stat
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from mergekit_ram.core.checks import check_layout
+from mergekit_ram.core.checks import check_layout, uncomputable
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.weight_files import SINGLE_FILES
 
+# safetensors' dtype names and torch's; a name torch (or this torch) has no
+# dtype for (F4, F6_*; U16-U64 before torch 2.3) maps to None.
 DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+    name: getattr(torch, attribute, None)
+    for name, attribute in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        "F8_E8M0": "float8_e8m0fnu",
+        "C64": "complex64",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }.items()
 }
-HEADER_LIMIT = 100 * 2**20  # safetensors' own cap on the JSON header
 FIX = (
     "Copy or download the checkpoint again (or save it again with "
     "save_pretrained); the merge has not started."
 )
+REASON_LIMIT = 300  # characters of a library's error shown in ours
+KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO), which would block the merge forever"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor as a checkpoint's header describes it."""
+class Tensor(NamedTuple):
+    """One tensor as a checkpoint's header describes it (dtype None: torch has
+    none). A tuple: a model of many tensors builds thousands of these."""
 
     file: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None
+    dtype_name: str
     shape: tuple[int, ...]
+
+    @property
+    def merged(self) -> bool:
+        """Whether RAM merges it (floating point) rather than copying the base's."""
+        return self.dtype is None or self.dtype.is_floating_point
 
 
 def _refuse(role: str, model: str, file: str, problem: str) -> RAMInputError:
     return RAMInputError(f"{role} {model}: {file} {problem}. {FIX}")
 
 
-def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
-    """The tensors a safetensors file declares, after checking its sizes."""
-    name = os.path.basename(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise _refuse(role, model, name, f"is {size} bytes, too short for a header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(HEADER_LIMIT, size - 8):
-            raise _refuse(
-                role,
-                model,
-                name,
-                f"declares a {length}-byte header but holds {size} bytes "
-                "(truncated or not a safetensors file)",
-            )
-        raw = handle.read(length)
+def _reason(error: BaseException) -> str:
+    text = str(error).removeprefix("Error while deserializing header: ")
+    text = " ".join(text.split()) or type(error).__name__
+    return text if len(text) <= REASON_LIMIT else f"{text[:REASON_LIMIT]}…"
+
+
+def _not_regular(path: str) -> str | None:
+    """What `path` is when it is not a regular file (or a link to one), else None.
+
+    Checked with stat, which never blocks: opening a named pipe would.
+    """
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise _refuse(role, model, name, f"has a corrupt header ({error})") from None
-    if not isinstance(header, dict):
-        raise _refuse(role, model, name, "has a corrupt header (not a JSON object)")
-    data = size - 8 - length
-    tensors = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise _refuse(
-                role, model, name, f"has a corrupt header entry for tensor {key}"
-            ) from None
-        count = 1
-        for dim in shape:
-            count *= dim
-        if end - begin != count * dtype.itemsize or begin < 0:
-            raise _refuse(
-                role,
-                model,
-                name,
-                f"declares tensor {key} as {list(shape)} {entry['dtype']} in "
-                f"{end - begin} bytes (corrupt header)",
-            )
-        if end > data:
-            raise _refuse(
-                role,
-                model,
-                name,
-                f"is truncated: tensor {key} ends at byte {end} of the data, "
-                f"which holds {data} bytes",
-            )
-        tensors[key] = Tensor(name, dtype, shape)
-    return tensors
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"a symlink to {os.readlink(path)}, which does not exist"
+        return "missing"
+    except OSError as error:  # a symlink loop, a name too long, no permission
+        return f"unreadable ({error.strerror or error})"
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in KINDS if test(mode)), "not a regular file")
+
+
+def regular_file(path: str, role: str, model: str) -> None:
+    """Refuse `path` unless it is a regular file, before anything opens it."""
+    kind = _not_regular(path)
+    if kind is not None:
+        raise RAMInputError(
+            f"{role} {model}: {os.path.basename(path)} is {kind}, where a "
+            "regular file belongs. Put the real file there (or fix the link); "
+            "the merge has not started."
+        )
+
+
+def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
+    """The tensors a safetensors file declares, as the safetensors library
+    validated its header (only the header is read)."""
+    regular_file(path, role, model)
+    name = os.path.basename(path)
+    try:
+        with safe_open(path, framework="pt") as handle:
+            slices = {key: handle.get_slice(key) for key in handle.keys()}
+            return {
+                key: Tensor(
+                    name,
+                    DTYPES.get(part.get_dtype()),
+                    part.get_dtype(),
+                    tuple(part.get_shape()),
+                )
+                for key, part in slices.items()
+            }
+    except (SafetensorError, OSError) as error:
+        raise _refuse(
+            role,
+            model,
+            name,
+            f"is not a valid safetensors file ({_reason(error)}): truncated, "
+            "padded, corrupt or not a safetensors file",
+        ) from None
 
 
 def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
     """A pickled checkpoint's tensors, unpickled weights-only (no code runs)."""
+    regular_file(path, role, model)
     name = os.path.basename(path)
     try:
         state = torch.load(path, map_location="meta", weights_only=True)
@@ -127,10 +157,10 @@ def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise RAMInputError(
             f"{role} {model}: {name} cannot be loaded as plain weights "
-            f"(weights-only unpickling refused it: {first}). A pickle that "
-            "needs more than tensors can run code when loaded, so it is not "
-            "read. Convert the model to safetensors from a source you trust "
-            "(save_pretrained(..., safe_serialization=True))."
+            f"(weights-only unpickling refused it: {first[:REASON_LIMIT]}). A "
+            "pickle that needs more than tensors can run code when loaded, so it "
+            "is not read. Convert the model to safetensors from a source you "
+            "trust (save_pretrained(..., safe_serialization=True))."
         ) from None
     if not isinstance(state, Mapping):
         raise RAMInputError(
@@ -138,36 +168,47 @@ def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
             "mapping of tensor names to tensors. Save the model's state dict."
         )
     return {
-        key: Tensor(name, value.dtype, tuple(value.shape))
+        key: Tensor(
+            name,
+            value.dtype,
+            str(value.dtype).removeprefix("torch."),
+            tuple(value.shape),
+        )
         for key, value in state.items()
         if isinstance(value, torch.Tensor)
     }
 
 
 def model_tensors(path: str, role: str) -> dict[str, Tensor]:
-    """Every tensor of the model folder `path`, as mergekit would find them."""
+    """Every tensor of the model folder `path`, from the file mergekit would
+    read (a dangling symlink counts as present: it is refused, not skipped)."""
     for stem, reader in zip(SINGLE_FILES, (safetensors_header, pickle_tensors)):
         single = os.path.join(path, stem)
         index = f"{single}.index.json"
-        if os.path.exists(index):
+        if os.path.lexists(index):
             return _indexed(index, path, role, reader)
-        if os.path.exists(single):
+        if os.path.lexists(single):
             return reader(single, role, path)
     return {}
 
 
 def _indexed(index: str, path: str, role: str, reader) -> dict[str, Tensor]:
+    regular_file(index, role, path)
     name = os.path.basename(index)
     try:
         with open(index, encoding="utf-8") as handle:
             weight_map = json.load(handle)["weight_map"]
-        shards = sorted(set(weight_map.values()))
+        if not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map must map tensor names to file names")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise _refuse(role, path, name, f"is not a valid index ({error})") from None
+        problem = f"is not a valid index ({_reason(error)})"
+        raise _refuse(role, path, name, problem) from None
     found: dict[str, Tensor] = {}
-    for shard in shards:
+    for shard in sorted(set(weight_map.values())):
         file = os.path.join(path, shard)
-        if not os.path.isfile(file):
+        if not os.path.lexists(file):
             raise _refuse(
                 role, path, name, f"names the shard {shard}, which is missing"
             )
@@ -189,21 +230,50 @@ def check_models(
     *,
     compare: bool,
     vocabulary_free: bool,
+    read: Callable[[], Collection[str] | None] | None = None,
 ) -> None:
     """Read the headers of the base and task models (role, path) and refuse
-    what the merge would trip over; with `compare`, also a tensor the base
-    has and a task lacks, or one whose kind or shape differs (a vocabulary
-    axis is left to mergekit when `vocabulary_free`: it aligns the rows)."""
+    what the merge would trip over: a tensor RAM merges in a dtype torch cannot
+    compute in; with `compare`, also a tensor the base has and a task lacks,
+    or one whose kind or shape differs (a vocabulary axis is left to mergekit
+    when `vocabulary_free`: it aligns the rows).
+
+    `read` returns the tensor names mergekit's architecture reads (None:
+    unknown); a tensor outside them is never loaded, so its dtype does not
+    matter. It is called only when some dtype would be refused.
+    """
+    names: list[Collection[str] | None] = []
+
+    def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
+        problem = _dtype_problem(tensor)
+        if problem is None:
+            return
+        if read is not None and not names:
+            names.append(read())
+        if names and names[0] is not None and name not in names[0]:
+            return
+        raise RAMInputError(
+            f"Tensor {name} of {role} {path} ({tensor.file}) is stored as "
+            f"{tensor.dtype_name}, which {problem}. Convert the checkpoint to "
+            "bfloat16, float16 or float32 (dequantize it) before merging."
+        )
+
     base_tensors = model_tensors(base[1], base[0])
+    merged = {name: t for name, t in base_tensors.items() if t.merged}
+    for name, tensor in merged.items():
+        computable(name, tensor, *base)
     for role, path in tasks:
         tensors = model_tensors(path, role)
-        if not compare:
-            continue
         for name, expected in base_tensors.items():
             found = tensors.get(name)
             if found is None:
-                raise _missing(name, expected, base, role, path)
-            if not expected.dtype.is_floating_point:
+                if compare:
+                    raise _missing(name, expected, base, role, path)
+                continue
+            if name not in merged:
+                continue  # copied from the base
+            computable(name, found, role, path)
+            if not compare or (found.merged and found.shape == expected.shape):
                 continue
             if vocabulary_free and found.shape[1:] == expected.shape[1:]:
                 continue
@@ -217,6 +287,12 @@ def check_models(
                 },
                 base[1],
             )
+
+
+def _dtype_problem(tensor: Tensor) -> str | None:
+    if tensor.dtype is None:
+        return "has no torch dtype"
+    return uncomputable(tensor.dtype)
 
 
 def _missing(

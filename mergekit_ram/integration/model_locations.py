@@ -1,27 +1,32 @@
 """Checks that every model a configuration names can be loaded, before loading it.
 
-A local model directory must hold weights mergekit can load and a
-config.json; a hub id is accepted online (mergekit downloads it) and, with
-HF_HUB_OFFLINE=1, refused with the cached snapshot's directory to use instead.
-Reads at most a directory listing, then (`check_headers`) each local
+A local model directory must hold weights mergekit can load and a valid
+config.json, and no named pipe or device file a reader would block on; a
+hub id is accepted online (mergekit downloads it) and, with HF_HUB_OFFLINE=1,
+refused with the cached snapshot's directory to use instead. Reads a
+directory listing and config.json, then (`check_headers`) each local
 checkpoint's headers and index, a few kilobytes per file.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 from collections.abc import Iterator
+from functools import partial
 
 import huggingface_hub
 from huggingface_hub import constants
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
+from mergekit.architecture import arch_info_for_config
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.headers import check_models
+from mergekit_ram.core.headers import check_models, regular_file
 from mergekit_ram.core.weight_files import WEIGHT_FILES
 from mergekit_ram.integration.config_groups import Group
 
@@ -56,6 +61,7 @@ def check_location(
     """A local model directory, or a hub id mergekit can fetch."""
     path = location.path
     if os.path.isdir(path):
+        _check_entries(path, role)
         if model:
             _check_model_directory(path, role)
         return
@@ -105,11 +111,85 @@ def check_headers(
                 tasks,
                 compare=group.adds_base,
                 vocabulary_free=vocabulary_free,
+                read=partial(_architecture_names, group.base, options),
             )
+
+
+def check_layer_ranges(config: MergeConfiguration) -> None:
+    """Every top-level slice's layer_range lies within its local model's
+    layers (num_hidden_layers of its config.json); mergekit would fail on
+    the first missing layer's tensor, after the merge started."""
+    for index, output in enumerate(config.slices or ()):
+        for number, source in enumerate(output.sources):
+            if source.layer_range is None or not _local(source.model):
+                continue
+            path = source.model.model.path
+            where = f"slices[{index}].sources[{number}]"
+            layers = model_config(path, f"{where}.model").get("num_hidden_layers")
+            start, end = source.layer_range
+            if isinstance(layers, int) and not 0 <= start < end <= layers:
+                raise RAMInputError(
+                    f"{where}.layer_range: "
+                    f"[{start}, {end}] is outside model {path}, which has "
+                    f"{layers} layers (num_hidden_layers in its config.json). "
+                    f"A range [start, end] needs 0 ≤ start < end ≤ {layers}."
+                )
+
+
+def model_config(path: str, role: str) -> dict:
+    """A local model's config.json as a mapping; mergekit reads it first."""
+    file = os.path.join(path, "config.json")
+    regular_file(file, role, path)
+    try:
+        with open(file, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        problem = " ".join(str(error).split())[:300]
+        raise RAMInputError(
+            f"{role} {path}: config.json is not valid JSON ({problem}). Fix it, "
+            "or copy the config.json of the model this one was fine-tuned from."
+        ) from None
+    if not isinstance(document, dict):
+        raise RAMInputError(
+            f"{role} {path}: config.json holds a JSON {type(document).__name__}, "
+            "not an object of settings. Save the model again with save_pretrained."
+        )
+    return document
+
+
+def _architecture_names(
+    reference: ModelReference, options: MergeOptions | None
+) -> frozenset[str] | None:
+    """The tensor names mergekit reads from a model of the base's architecture
+    (aliases and tied names included); None where mergekit has no definition
+    of it (it then infers one from the files: every tensor may be read)."""
+    trust = options is not None and options.trust_remote_code
+    try:
+        config = reference.config(trust_remote_code=trust)
+        architecture = arch_info_for_config(config)
+        weights = [] if architecture is None else architecture.all_weights(config)
+    except (OSError, ValueError, RuntimeError, KeyError, AttributeError):
+        return None  # mergekit reports these itself when it plans
+    names = set()
+    for weight in weights:
+        names.update((weight.name, *(weight.aliases or ()), *(weight.tied_names or ())))
+    return frozenset(names) or None
 
 
 def _local(reference: ModelReference) -> bool:
     return reference.lora is None and os.path.isdir(reference.model.path)
+
+
+def _check_entries(path: str, role: str) -> None:
+    """No named pipe, socket or device file: whatever reads one blocks or
+    reads garbage (mergekit and transformers open files by name)."""
+    for entry in os.scandir(path):
+        try:
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue  # a dangling link is refused where a reader needs the file
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            regular_file(entry.path, role, path)
 
 
 def _check_model_directory(path: str, role: str) -> None:
@@ -131,6 +211,7 @@ def _check_model_directory(path: str, role: str) -> None:
             "architecture from. Copy it from the model this one was "
             "fine-tuned from, or save the model with save_pretrained."
         )
+    model_config(path, role)
 
 
 def _cached_snapshot(location: ModelPath, role: str, cache_dir: str | None) -> str:

@@ -5,8 +5,9 @@ checkpoint's index was opened) and lets a missing model fail deep inside
 transformers or the hub client. These checks read directory listings and
 the checkpoints' headers (a few kilobytes per file), so the first problem a
 user must fix is reported as one RAMInputError paragraph before the merge
-starts: the groups' structure (`config_groups`), the model locations
-(`model_locations`), the parameters (`parameter_schema`), then every input's
+starts: the device options, the groups' structure (`config_groups`), the
+model locations and slices' layer ranges (`model_locations`), the dtypes
+(`compute_options`) and parameters (`parameter_schema`), then every input's
 headers. They are cheap: every entry point may call them; the run_merge
 wrapper calls `validate_config`.
 """
@@ -17,10 +18,12 @@ from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
+from mergekit_ram.integration.compute_options import check_device, check_dtypes
 from mergekit_ram.integration.config_groups import check_group, groups
 from mergekit_ram.integration.methods import METHODS, is_ours
 from mergekit_ram.integration.model_locations import (
     check_headers,
+    check_layer_ranges,
     check_location,
     check_reference,
     model_references,
@@ -56,6 +59,7 @@ def validate_analysis(
 def _validate(
     config: MergeConfiguration, options: MergeOptions | None, user: str
 ) -> None:
+    check_device(options)
     found = groups(config)
     for group in found:
         check_group(group, user)
@@ -69,7 +73,9 @@ def _validate(
     ):
         if isinstance(source, ModelReference):
             check_location(source.model, role, cache_dir, model=False)
+    check_layer_ranges(config)
     if is_ours(config.merge_method):
+        check_dtypes(config)
         method = next(m for m in METHODS if m.spec.name == config.merge_method)
         check_parameters(found, method)
         check_output_range(config, found, method)
