@@ -66,7 +66,7 @@ def overlaps_of(
 
 # Elements per step of the pass that also sums inner products: the task
 # vectors of a chunk stay in cache, and no full-size float32 copy is made.
-PRODUCT_CHUNK = 1 << 18
+PRODUCT_CHUNK = 1 << 16
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ def overlaps_and_products(
     like = dict(dtype=torch.float32, device=base.device)
     base32 = torch.empty(size, **like)
     block = torch.empty((2 * count + 1, size), **like)  # τ rows first
-    scratch = torch.empty((count, size), **like)
+    scratch = torch.empty((count, size), **like)  # |τ|
     for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
         stop = min(start + PRODUCT_CHUNK, flat_base.numel())
         chunk = base32[: stop - start].copy_(flat_base[start:stop])
@@ -106,7 +106,7 @@ def overlaps_and_products(
             for t in range(count):
                 pairs[s][t] += part_pairs[s][t]
         counts = count_masks(list(masks), chunk)
-        products.add(inner_products(part, masks, counts, scratch[:, : stop - start]))
+        products.add(inner_products(part, counts, epsilon))
     return rows, pairs, products
 
 
