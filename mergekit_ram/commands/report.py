@@ -223,7 +223,9 @@ def build_report(
     document = statistics_document(settings, stats, scales)
     rule_scales = stats.scales(rule)
     labels = labels_for([str(i) for i in ids])
-    explicit = {i: scales[i] for i in ids if scales.get(i, 1.0) != rule_scales[i]}
+    explicit = {
+        i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
+    }
     kept = retention(analysis, explicit)
     unique_expected = expected_unique(changed_per_tensor(stats, ids), len(ids))
     for row, task_id, alone in zip(document["tasks"], ids, unique_expected):
