@@ -12,7 +12,8 @@ mergekit merge is mergekit_ram.integration.statistics_pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +70,26 @@ def overlaps_of(
 PRODUCT_CHUNK = 1 << 16
 
 
+@contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """torch's CPU ops on one thread for the block (restored after).
+
+    The chunked pass runs some forty small in-cache operations per chunk;
+    splitting each over threads costs more than it saves, and on a busy
+    machine, where a woken thread waits for a core, it made the pass several
+    times slower (measured on 2 shared cores). GPU work is unaffected.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
 def overlaps_and_products(
     base: torch.Tensor,
@@ -92,21 +113,22 @@ def overlaps_and_products(
     base32 = torch.empty(size, **like)
     block = torch.empty((2 * count + 1, size), **like)  # τ rows first
     scratch = torch.empty((count, size), **like)  # |τ|
-    for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
-        stop = min(start + PRODUCT_CHUNK, flat_base.numel())
-        chunk = base32[: stop - start].copy_(flat_base[start:stop])
-        part = block[:, : stop - start]
-        for index, task in enumerate(flat_tasks):
-            task_vector_into(part[index], task[start:stop], chunk)
-        magnitude = scratch[:, : stop - start].copy_(part[:count])
-        masks = change_mask(magnitude, epsilon, overwrite=True)
-        part_rows, part_pairs = overlaps_of(list(masks), chunk)
-        for s in range(count):
-            add_histogram(rows[s], part_rows[s])
-            for t in range(count):
-                pairs[s][t] += part_pairs[s][t]
-        counts = count_masks(list(masks), chunk)
-        products.add(inner_products(part, counts, epsilon))
+    with _one_cpu_thread(base.device):
+        for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
+            stop = min(start + PRODUCT_CHUNK, flat_base.numel())
+            chunk = base32[: stop - start].copy_(flat_base[start:stop])
+            part = block[:, : stop - start]
+            for index, task in enumerate(flat_tasks):
+                task_vector_into(part[index], task[start:stop], chunk)
+            magnitude = scratch[:, : stop - start].copy_(part[:count])
+            masks = change_mask(magnitude, epsilon, overwrite=True)
+            part_rows, part_pairs = overlaps_of(list(masks), chunk)
+            for s in range(count):
+                add_histogram(rows[s], part_rows[s])
+                for t in range(count):
+                    pairs[s][t] += part_pairs[s][t]
+            counts = count_masks(list(masks), chunk)
+            products.add(inner_products(part, counts, epsilon))
     return rows, pairs, products
 
 
