@@ -266,3 +266,27 @@ def test_many_tasks_use_the_pairwise_counts():
         for s, other in enumerate(tasks):
             gram = float((other.double() - base.double()) @ tau)
             assert products.gram[s][t] == pytest.approx(gram, rel=1e-5, abs=1e-12)
+
+
+def test_products_pass_restores_the_thread_count(monkeypatch):
+    threads = torch.get_num_threads()
+    seen = []
+    original = counting.inner_products
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return original(*args)
+
+    monkeypatch.setattr(counting, "inner_products", spy)
+    base, tasks = models(seed=3)
+    counted(base, tasks)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == threads
+
+    def fail(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(counting, "inner_products", fail)
+    with pytest.raises(RuntimeError):
+        counted(base, tasks)
+    assert torch.get_num_threads() == threads
