@@ -120,7 +120,8 @@ def overlaps_and_products(
             part = block[:, : stop - start]
             for index, task in enumerate(flat_tasks):
                 task_vector_into(part[index], task[start:stop], chunk)
-            magnitude = scratch[:, : stop - start].copy_(part[:count])
+            # |τ| into the scratch rows (abs_ on |τ| again is a no-op).
+            magnitude = torch.abs(part[:count], out=scratch[:, : stop - start])
             masks = change_mask(magnitude, epsilon, overwrite=True)
             part_rows, part_pairs = overlaps_of(list(masks), chunk)
             for s in range(count):
