@@ -19,7 +19,7 @@ import reference
 import torch
 import yaml
 from click.testing import CliRunner
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import mergekit_ram.integration.statistics_pass
 from mergekit_ram.commands.analysis import PAPER_R, analyze_config
@@ -52,6 +52,9 @@ TASK_KEYS = {
     "label": str,
     "scale_explicit": bool,
     "scale_tensor_local": dict,
+    "unique_share": (float, type(None)),
+    "expected_unique_share": (float, type(None)),
+    "retention": (dict, type(None)),
 }
 TOP_KEYS = {
     "schema_version": int,
@@ -70,8 +73,19 @@ TOP_KEYS = {
     "per_module": list,
     "per_layer": list,
     "sweep": list,
+    "retention": (dict, type(None)),
 }
 LOCAL_KEYS = {"mean", "unique_weighted_mean", "min", "max", "tensors"}
+PAIR_KEYS = {
+    "models",
+    "intersection",
+    "jaccard",
+    "expected_intersection",
+    "lift",
+    "expected_jaccard",
+}
+RETENTION_KEYS = {"methods", "ramplus", "ta_mean_weight"}
+METHODS = ["ram", "ramplus", "ta_mean", "ta_sum"]
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +251,147 @@ def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
     )
 
 
+def dense_expectations(per_tensor, n):
+    """Per-tensor independence: E[s][t] = Σ n·d_s·d_t and expected unique."""
+    expected = [[0.0] * n for _ in range(n)]
+    alone = [0.0] * n
+    for _tau, m, _c in per_tensor.values():
+        elements = m[0].numel()
+        d = [float(m[t].sum()) / elements for t in range(n)]
+        for s in range(n):
+            product = 1.0
+            for t in range(n):
+                expected[s][t] += elements * (d[s] if s == t else d[s] * d[t])
+                product *= 1.0 if t == s else 1.0 - d[t]
+            alone[s] += elements * d[s] * product
+    return expected, alone
+
+
+def dense_retention(base, tasks, merged_tau):
+    """⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩ per task, float64 over the whole model."""
+    out = []
+    for task in tasks:
+        num = den = 0.0
+        for name in base:
+            tau = task[name].double() - base[name].double()
+            num += float((merged_tau[name] * tau).sum())
+            den += float((tau * tau).sum())
+        out.append(num / den)
+    return out
+
+
+def dense_methods(base, tasks, **ramplus):
+    """τ_merged of RAM, RAM+ (`ramplus`: reference.merge options), TA 1/N, TA 1."""
+
+    def ram(**options):
+        merged, _ = reference.merge(
+            base, tasks, epsilon=EPSILON, out_dtype=torch.float32, **options
+        )
+        return {k: merged[k].double() - base[k].double() for k in base}
+
+    total = {k: sum(t[k].double() - base[k].double() for t in tasks) for k in base}
+    return {
+        "ram": ram(),
+        "ramplus": ram(**ramplus),
+        "ta_mean": {k: v / len(tasks) for k, v in total.items()},
+        "ta_sum": total,
+    }
+
+
+def test_regime_equals_dense_reference(analyzed, dense):
+    _config, _out, output, report = analyzed
+    base, tasks, counts = dense
+    per_tensor = counts()
+    n = len(NAMES)
+    inter = reference.intersections(per_tensor, n)
+    expected, alone = dense_expectations(per_tensor, n)
+    pair = report["pairwise"]
+    C = [inter[t][t] for t in range(n)]
+    for s in range(n):
+        assert pair["expected_intersection"][s] == pytest.approx(expected[s], rel=1e-9)
+        for t in range(n):
+            lift = pair["lift"][s][t]
+            assert lift == pytest.approx(inter[s][t] / expected[s][t], rel=1e-9)
+            union = C[s] + C[t] - expected[s][t]
+            assert pair["expected_jaccard"][s][t] == pytest.approx(
+                expected[s][t] / union, rel=1e-9
+            )
+    # The expectation is per tensor: whole-model densities give another one.
+    total = report["num_elements"]
+    assert any(
+        abs(expected[s][t] - C[s] * C[t] / total) > 0.01 * expected[s][t]
+        for s in range(n)
+        for t in range(n)
+        if s != t
+    )
+    for task, want, changed in zip(report["tasks"], alone, C):
+        assert task["unique_share"] == pytest.approx(task["unique"] / changed)
+        assert task["expected_unique_share"] == pytest.approx(want / changed, rel=1e-9)
+    merged = dense_methods(base, tasks, r=0.1, alpha=2.0)
+    for method, vector in merged.items():
+        want = dense_retention(base, tasks, vector)
+        got = [t["retention"][method] for t in report["tasks"]]
+        assert got == pytest.approx(want, rel=1e-4), method
+    assert report["retention"]["ramplus"] == {
+        "r": 0.1,
+        "alpha": 2.0,
+        "saturation": "clip",
+        "statistics": "global",
+    }
+    assert report["retention"]["ta_mean_weight"] == pytest.approx(1 / n)
+    first = report["tasks"][0]
+    assert f"{first['retention']['ramplus']:.3f}" in output
+    assert f"{pair['lift'][0][1]:.2f}" in output
+
+
+@pytest.mark.parametrize("variant", ["ram", "tensor-explicit"])
+def test_retention_follows_the_configuration(models, dense, tmp_path, variant):
+    root, paths = models
+    base, tasks, _counts = dense
+    config = yaml.safe_load(merge_yaml(paths, "ramplus"))
+    if variant == "ram":
+        # r = 0: RAM+ would be RAM, so retention shows the paper's r.
+        config["merge_method"] = "ram"
+        options = dict(r=PAPER_R, alpha=2.0)
+    else:
+        config["parameters"] = {"statistics": "tensor", "saturation": "soft"}
+        config["models"][0]["parameters"] = {"unique_scale": 1.5}
+        options = dict(
+            r=0.1,
+            saturation="soft",
+            statistics="tensor",
+            unique_scale=[1.5, None, None, None],
+        )
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
+    report = read(tmp_path / "out" / "report.json")
+    want = dense_retention(
+        base, tasks, dense_methods(base, tasks, **options)["ramplus"]
+    )
+    got = [t["retention"]["ramplus"] for t in report["tasks"]]
+    assert got == pytest.approx(want, rel=1e-4)
+    assert report["retention"]["ramplus"]["r"] == options["r"]
+
+
+def test_integer_only_models_are_one_error(tmp_path):
+    paths = build_models(str(tmp_path / "models"), AGENTS[:2], seed=5)
+    for path in paths.values():
+        file = os.path.join(path, "model.safetensors")
+        state = load_file(file)
+        save_file(
+            {k: (v.float() * 100).to(torch.int32) for k, v in state.items()}, file
+        )
+    config = tmp_path / "int.yml"
+    config.write_text(merge_yaml(paths, "ramplus"), encoding="utf-8")
+    output = invoke("analyze", config, "--out", tmp_path / "out", "--quiet", expect=2)
+    assert output.startswith("Error: Nothing to analyse")
+    assert "floating point" in output and paths["base"] in output
+    assert len(output.strip().splitlines()) == 1
+    assert "Traceback" not in output and "Task vectors of" not in output
+    assert not (tmp_path / "out").exists()
+
+
 def check_type(value, types, where):
     assert isinstance(value, types), f"{where}: {type(value).__name__}"
     if types in (int, float) or types == (float, int):
@@ -258,10 +413,23 @@ def test_report_json_schema(analyzed, models, tmp_path):
         assert all(type(v) is int for v in task["overlap_histogram"])
         assert set(task["scale_tensor_local"]) == LOCAL_KEYS
     pair = report["pairwise"]
-    assert set(pair) == {"models", "intersection", "jaccard"}
-    for key in ("intersection", "jaccard"):
+    assert set(pair) == PAIR_KEYS
+    for key in PAIR_KEYS - {"models"}:
         assert len(pair[key]) == n and all(len(row) == n for row in pair[key])
-    assert all(0.0 <= v <= 1.0 for row in pair["jaccard"] for v in row)
+    for key in ("jaccard", "expected_jaccard"):
+        assert all(0.0 <= v <= 1.0 for row in pair[key] for v in row)
+    assert all(type(v) is float for row in pair["lift"] for v in row)
+    assert set(report["retention"]) == RETENTION_KEYS
+    assert report["retention"]["methods"] == METHODS
+    assert set(report["retention"]["ramplus"]) == {
+        "r",
+        "alpha",
+        "saturation",
+        "statistics",
+    }
+    for task in report["tasks"]:
+        assert list(task["retention"]) == METHODS
+        assert all(type(v) is float for v in task["retention"].values())
     for group, field in (("per_module", "module"), ("per_layer", "layer")):
         for entry in report[group]:
             assert set(entry) == {field, "tensors", "elements", "tasks"}
@@ -285,7 +453,14 @@ def test_report_json_schema(analyzed, models, tmp_path):
     doc = (Path(__file__).parent.parent / "docs" / "report_schema.md").read_text(
         encoding="utf-8"
     )
-    for key in [*TOP_KEYS, *TASK_KEYS, *LOCAL_KEYS, "intersection", "jaccard"]:
+    for key in [
+        *TOP_KEYS,
+        *TASK_KEYS,
+        *LOCAL_KEYS,
+        *PAIR_KEYS,
+        *RETENTION_KEYS,
+        *METHODS,
+    ]:
         assert f"`{key}`" in doc, key
 
 
@@ -298,6 +473,8 @@ def test_cli_output_and_files(analyzed):
         "Per module:",
         "Per layer:",
         "λ sweep over r:",
+        "Overlap against independent supports:",
+        "Unique share and retention:",
     ):
         assert title in output
     for name in NAMES:

@@ -35,10 +35,10 @@ def llama_names(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def make_report(densities, shapes, seed=0) -> dict:
+def make_report(densities, shapes, seed=0, inner_products=True) -> dict:
     """A report from the statistics engine on seeded sparse task vectors."""
     g = torch.Generator().manual_seed(seed)
-    stats = OverlapStatistics(epsilon=EPSILON)
+    stats = OverlapStatistics(epsilon=EPSILON, inner_products=inner_products)
     for index, (name, shape) in enumerate(shapes.items()):
         base = torch.randn(shape, generator=g)
         tasks = {}
@@ -102,6 +102,9 @@ def test_figures_show_the_data(report, tmp_path):
     assert has_colour(pixels(tmp_path / "overlap_histogram.png"), VIRIDIS_FIRST)
     assert has_colour(pixels(tmp_path / "density_per_layer.png"), TAB10_FIRST)
     assert has_colour(pixels(tmp_path / "jaccard.png"), BLUES_LAST)
+    # regime.png: RAM's retention bars (first tab10 colour), lift bars (viridis).
+    assert has_colour(pixels(tmp_path / "regime.png"), TAB10_FIRST)
+    assert has_colour(pixels(tmp_path / "regime.png"), VIRIDIS_FIRST)
     # Figures change with the data.
     other = make_report([0.4, 0.1, 0.2], llama_names(3), seed=5)
     figures.write_figures(other, str(tmp_path / "other"))
@@ -128,6 +131,17 @@ def test_edge_cases_still_draw(densities, layers, tmp_path):
             round(v * figures.DPI) for v in figures.FIGURES[name]
         )
         assert_not_blank(image)
+
+
+def test_regime_figure_without_retention(tmp_path):
+    # Statistics counted without inner products (Python API): no bars, a note.
+    report = make_report([0.2, 0.3], llama_names(1), inner_products=False)
+    assert report["retention"] is None
+    assert all(t["retention"] is None for t in report["tasks"])
+    figures.regime(report, str(tmp_path / "regime.png"))
+    image = pixels(tmp_path / "regime.png")
+    assert_not_blank(image)
+    assert not has_colour(image, TAB10_FIRST)
 
 
 def test_write_report_lists_the_figures(report, tmp_path):

@@ -14,6 +14,10 @@ every λ is 1, and the report then adds an r sweep at the paper's r = 0.1).
 For any other merge method only the models and the base matter and the paper
 defaults are used (epsilon 1e-5, r 0.1, alpha 2, clip, global). `--epsilon`
 overrides epsilon in both cases.
+
+The same pass sums the task vectors' inner products (core.regime), so the
+report also says how much of each task vector RAM, RAM+ and task arithmetic
+would keep, without merging or a second read.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.install import install
@@ -132,10 +137,37 @@ def analyze_config(
         )
     settings, explicit = resolve_settings(config.merge_method, merges, epsilon)
     stats, scales = count_planned(
-        merges, settings, explicit, options, desc="Analyzing task vectors"
+        merges,
+        settings,
+        explicit,
+        options,
+        desc="Analyzing task vectors",
+        inner_products=True,
     )
     reference = config.base_model if config.base_model is not None else base
-    return Analysis(config.merge_method, str(reference), settings, stats, scales)
+    return require_task_vectors(
+        Analysis(config.merge_method, str(reference), settings, stats, scales),
+        len(merges),
+    )
+
+
+def require_task_vectors(analysis: Analysis, planned: int | None = None) -> Analysis:
+    """The analysis, or a RAMInputError when no tensor had a task vector.
+
+    Only floating-point tensors have one (integer and bool buffers are copied
+    from the base); with none there is nothing to report. `planned`: how many
+    tensors the configuration merges, when known.
+    """
+    if analysis.stats.tasks:
+        return analysis
+    tensors = "tensors" if planned is None else f"{planned} tensor(s)"
+    raise RAMInputError(
+        f"Nothing to analyse: none of the {tensors} the configuration merges is "
+        f"floating point in the base model {analysis.base_model}, so there is no "
+        "task vector θ_t − θ₀ to measure (integer and bool tensors are copied "
+        "from the base, never merged). Point base_model and models at "
+        "checkpoints with floating-point weights."
+    )
 
 
 def merge_with_analysis(
@@ -154,11 +186,12 @@ def merge_with_analysis(
     from mergekit_ram.commands.api import run_merge
 
     with merge_run() as run:
+        run.inner_products = True
         run_merge(config, out_path, options=options, config_source=config_source)
     result = run.result
     if result is not None:
         echo("Report from the statistics this merge computed (no extra pass).")
-        return Analysis.from_merge(config, result)
+        return require_task_vectors(Analysis.from_merge(config, result))
     echo(
         "This merge needed no whole-model statistics pass (RAM with r = 0, "
         "statistics: tensor, explicit unique_scale or another method); "

@@ -19,6 +19,14 @@ FIGURES = {
     "overlap_histogram.png": (11.0, 4.5),
     "density_per_layer.png": (8.0, 4.5),
     "jaccard.png": (6.0, 5.0),
+    "regime.png": (11.0, 4.5),
+}
+# Bars of `regime.png`: retention method → legend label.
+RETENTION_LABELS = {
+    "ram": "RAM",
+    "ramplus": "RAM+",
+    "ta_mean": "TA 1/N",
+    "ta_sum": "TA 1",
 }
 
 
@@ -170,12 +178,76 @@ def jaccard_heatmap(report: Mapping[str, Any], path: str) -> None:
     figure.savefig(path, dpi=DPI)
 
 
+def regime(report: Mapping[str, Any], path: str) -> None:
+    """Left: retention per task and merge method; right: lift per pair."""
+    tasks = report["tasks"]
+    figure = _figure(os.path.basename(path))
+    kept, lifts = figure.subplots(1, 2, width_ratios=[3, 2])
+    settings = report.get("retention")
+    methods = list(settings["methods"]) if settings else []
+    colors = _colors(len(methods), sequential=False)
+    width = 0.8 / max(len(methods), 1)
+    positions = list(range(len(tasks)))
+    drawn = [0.0, 1.0]
+    for m, (method, color) in enumerate(zip(methods, colors)):
+        values = [(t["retention"] or {}).get(method) for t in tasks]
+        heights = [0.0 if v is None else v for v in values]
+        offsets = [p + (m - (len(methods) - 1) / 2) * width for p in positions]
+        kept.bar(
+            offsets,
+            heights,
+            width,
+            color=color,
+            label=RETENTION_LABELS.get(method, method),
+        )
+        drawn += heights
+    # Room above the bars for the legend.
+    kept.set_ylim(min(drawn) * 1.1, max(drawn) * 1.3)
+    if not methods:
+        kept.text(
+            0.5, 0.5, "retention not computed", ha="center", transform=kept.transAxes
+        )
+    kept.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    kept.set_xticks(positions, [t["label"] for t in tasks])
+    kept.set_ylabel("⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩")
+    kept.set_title("How much of each task vector the merge keeps")
+    kept.grid(axis="y", alpha=0.3)
+    if methods:
+        kept.legend(fontsize=9, ncols=len(methods), loc="upper center")
+
+    pair = report["pairwise"]
+    label = {t["model"]: t["label"] for t in tasks}
+    names, values = [], []
+    for s, a in enumerate(pair["models"]):
+        for t in range(s + 1, len(pair["models"])):
+            names.append(f"{label[a]} × {label[pair['models'][t]]}")
+            values.append(pair["lift"][s][t])
+    shown = [0.0 if v is None else v for v in values]
+    lifts.barh(list(range(len(names))), shown, color=_colors(1, sequential=True))
+    lifts.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
+    for y, value in enumerate(values):
+        text = "n/a" if value is None else f" {value:.2f}"
+        lifts.text(shown[y], y, text, va="center", fontsize=9)
+    if not names:
+        lifts.text(
+            0.5, 0.5, "one task model: no pairs", ha="center", transform=lifts.transAxes
+        )
+    lifts.set_yticks(list(range(len(names))), names)
+    lifts.invert_yaxis()
+    lifts.set_xlim(0, max(shown + [1.0]) * 1.25)
+    lifts.set_xlabel("overlap / overlap of independent supports")
+    lifts.set_title("Lift (1: independent-like)")
+    figure.suptitle("Which regime: support overlap and retention (no evaluation)")
+    figure.savefig(path, dpi=DPI)
+
+
 def write_figures(report: Mapping[str, Any], out_dir: str) -> list[str]:
     """Draw every figure into out_dir; returns the file names written."""
     draw = {
         "overlap_histogram.png": overlap_histogram,
         "density_per_layer.png": density_per_layer,
         "jaccard.png": jaccard_heatmap,
+        "regime.png": regime,
     }
     os.makedirs(out_dir, exist_ok=True)
     for name, function in draw.items():

@@ -11,6 +11,14 @@ from typing import Any
 from mergekit_ram.commands.analysis import PAPER_R, Analysis
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
 from mergekit_ram.core.naming import MODULES, layer_of, module_of
+from mergekit_ram.core.regime import (
+    METHODS,
+    expected_intersections,
+    expected_unique,
+    jaccard,
+    ratio,
+    retentions,
+)
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.integration.results import statistics_document
 
@@ -55,13 +63,25 @@ def _constant_summary(value: float, tensors: int) -> dict[str, Any]:
     )
 
 
-def jaccard(intersection: int, changed_s: int, changed_t: int) -> float:
-    union = changed_s + changed_t - intersection
-    return intersection / union if union else 0.0
+def changed_per_tensor(
+    stats: OverlapStatistics, ids: Sequence[Hashable]
+) -> list[tuple[int, list[int]]]:
+    """Per tensor: (elements, each task's changed count), for core.regime."""
+    groups = []
+    for per_task in stats.per_tensor.values():
+        if not per_task:
+            continue
+        elements = next(iter(per_task.values())).elements
+        groups.append(
+            (elements, [per_task[i].changed if i in per_task else 0 for i in ids])
+        )
+    return groups
 
 
 def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any]:
-    """N×N intersections |m_s ∧ m_t| and Jaccard overlaps, in `ids` order."""
+    """N×N intersections |m_s ∧ m_t| and Jaccard overlaps, in `ids` order, and
+    what independent supports with the same per-tensor densities would give."""
+    n = len(ids)
     changed = [stats.tasks[i].changed for i in ids]
     inter = [
         [
@@ -70,14 +90,65 @@ def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any
         ]
         for s, a in enumerate(ids)
     ]
+    expected = expected_intersections(changed_per_tensor(stats, ids), n)
+
+    def matrix(cell):
+        return [[cell(s, t) for t in range(n)] for s in range(n)]
+
     return {
         "models": [str(i) for i in ids],
         "intersection": inter,
-        "jaccard": [
-            [jaccard(inter[s][t], changed[s], changed[t]) for t in range(len(ids))]
-            for s in range(len(ids))
-        ],
+        "jaccard": matrix(lambda s, t: jaccard(inter[s][t], changed[s], changed[t])),
+        "expected_intersection": expected,
+        "lift": matrix(lambda s, t: ratio(inter[s][t], expected[s][t])),
+        "expected_jaccard": matrix(
+            lambda s, t: jaccard(expected[s][t], changed[s], changed[t])
+        ),
     }
+
+
+def retention_rule(analysis: Analysis) -> ScaleRule:
+    """The RAM+ rule retention is computed for: the configuration's, or the
+    paper's r where the configuration has r = 0 (RAM+ would equal RAM)."""
+    settings = analysis.settings
+    if settings.r > 0:
+        return settings.rule
+    return ScaleRule(r=PAPER_R, alpha=settings.alpha, saturation=settings.saturation)
+
+
+def retention(
+    analysis: Analysis, explicit: dict[Hashable, float]
+) -> dict[Hashable, dict[str, float | None]] | None:
+    """Per task, retention under each core.regime method; None without
+    inner products (statistics counted without them).
+
+    RAM+ uses retention_rule's λ in the configuration's statistics scope,
+    global or per tensor, with any explicit unique_scale instead.
+    """
+    stats = analysis.stats
+    if not stats.inner_products:
+        return None
+    rule = retention_rule(analysis)
+    ids = list(stats.tasks)
+    if analysis.settings.statistics == "tensor":
+        groups = [
+            (
+                products,
+                {
+                    **{
+                        t: rule.scale(c.shared, c.unique)
+                        for t, c in stats.per_tensor[name].items()
+                    },
+                    **explicit,
+                },
+            )
+            for name, products in stats.products.items()
+        ]
+    else:
+        scales = stats.scales(rule, explicit)
+        groups = [(products, scales) for products in stats.products.values()]
+    by_method = retentions(groups, ids)
+    return {t: {m: values[t] for m, values in by_method.items()} for t in ids}
 
 
 def _grouped(
@@ -121,6 +192,23 @@ def _grouped(
     ]
 
 
+def retention_settings(analysis: Analysis, tasks: int) -> dict[str, Any] | None:
+    """What the retention figures were computed with (report.json `retention`)."""
+    if not analysis.stats.inner_products:
+        return None
+    rule = retention_rule(analysis)
+    return {
+        "methods": list(METHODS),
+        "ramplus": {
+            "r": rule.r,
+            "alpha": rule.alpha,
+            "saturation": rule.saturation,
+            "statistics": analysis.settings.statistics,
+        },
+        "ta_mean_weight": 1.0 / tasks if tasks else None,
+    }
+
+
 def build_report(
     analysis: Analysis, sweep: Sequence[float] | None = None
 ) -> dict[str, Any]:
@@ -135,14 +223,21 @@ def build_report(
     document = statistics_document(settings, stats, scales)
     rule_scales = stats.scales(rule)
     labels = labels_for([str(i) for i in ids])
-    for row, task_id in zip(document["tasks"], ids):
+    explicit = {
+        i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
+    }
+    kept = retention(analysis, explicit)
+    unique_expected = expected_unique(changed_per_tensor(stats, ids), len(ids))
+    for row, task_id, alone in zip(document["tasks"], ids, unique_expected):
         row["label"] = labels[str(task_id)]
-        explicit = scales.get(task_id, 1.0) != rule_scales[task_id]
-        row["scale_explicit"] = explicit
+        row["scale_explicit"] = task_id in explicit
         local = tensor_local_scales(stats, task_id, rule)
-        if explicit:
+        if task_id in explicit:
             local = _constant_summary(row["scale"], local["tensors"])
         row["scale_tensor_local"] = local
+        row["unique_share"] = ratio(row["unique"], row["changed"])
+        row["expected_unique_share"] = ratio(alone, row["changed"])
+        row["retention"] = None if kept is None else kept[task_id]
     if sweep is None:
         sweep = [PAPER_R] if settings.r == 0 else []
     sweeps = []
@@ -169,4 +264,5 @@ def build_report(
         "per_module": _grouped(stats, ids, module_of, MODULES, "module"),
         "per_layer": _grouped(stats, ids, layer_of, None, "layer"),
         "sweep": sweeps,
+        "retention": retention_settings(analysis, len(ids)),
     }

@@ -3,20 +3,30 @@
 The one place they are counted. `tensor_overlaps` counts one tensor group;
 `OverlapStatistics` adds groups up per task, in total and per output tensor.
 Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
-alongside, from the same masks. Streaming over a planned mergekit merge is
-mergekit_ram.integration.statistics_pass.
+alongside, from the same masks. Asked for (`inner_products`), the same pass
+also sums the task vectors' inner products from which `core.regime` derives
+how much of each task vector a merge keeps. Streaming over a planned
+mergekit merge is mergekit_ram.integration.statistics_pass.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from mergekit_ram.core.checks import check_layout
-from mergekit_ram.core.kernel import change_masks, count_masks, task_histogram
+from mergekit_ram.core.kernel import (
+    change_mask,
+    change_masks,
+    count_masks,
+    task_histogram,
+    task_vector_into,
+)
+from mergekit_ram.core.regime import Products, inner_products
 from mergekit_ram.core.scale import ScaleRule
 
 
@@ -32,12 +42,20 @@ def tensor_overlaps(
     kept as bool (one byte per element and task) for this tensor only.
     """
     base32 = base.to(dtype=torch.float32)
-    masks = change_masks(base32, tasks, epsilon)
+    return overlaps_of(change_masks(base32, tasks, epsilon), base32)
+
+
+def overlaps_of(
+    masks: Sequence[torch.Tensor], like: torch.Tensor
+) -> tuple[list[list[int]], list[list[int]]]:
+    """tensor_overlaps' (histograms, intersections) from masks already made."""
+    if not masks:
+        return [], []
     if len(masks) <= JOINT_LIMIT:
         return _from_joint(masks)
-    counts = count_masks(masks, base32)
-    rows = [task_histogram(counts, mask, len(tasks)).tolist() for mask in masks]
-    pairs = [[0] * len(tasks) for _ in tasks]
+    counts = count_masks(masks, like)
+    rows = [task_histogram(counts, mask, len(masks)).tolist() for mask in masks]
+    pairs = [[0] * len(masks) for _ in masks]
     for s, mask in enumerate(masks):
         pairs[s][s] = sum(rows[s])
         for t in range(s + 1, len(masks)):
@@ -45,6 +63,74 @@ def tensor_overlaps(
                 torch.count_nonzero(torch.logical_and(mask, masks[t]))
             )
     return rows, pairs
+
+
+# Elements per step of the pass that also sums inner products: the task
+# vectors of a chunk stay in cache, and no full-size float32 copy is made.
+PRODUCT_CHUNK = 1 << 16
+
+
+@contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """torch's CPU ops on one thread for the block (restored after).
+
+    The chunked pass runs some forty small in-cache operations per chunk;
+    splitting each over threads costs more than it saves, and on a busy
+    machine, where a woken thread waits for a core, it made the pass several
+    times slower (measured on 2 shared cores). GPU work is unaffected.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def overlaps_and_products(
+    base: torch.Tensor,
+    tasks: Sequence[torch.Tensor],
+    epsilon: float,
+    ids: Sequence[Hashable],
+) -> tuple[list[list[int]], list[list[int]], Products]:
+    """tensor_overlaps' counts and the tensor's Products, from one read.
+
+    A chunk at a time: every task's τ (kept, not overwritten by |τ|), its
+    mask and the overlap count, as the merge makes them.
+    """
+    count = len(tasks)
+    products = Products.zeros(ids)
+    rows = [[0] * count for _ in range(count)]
+    pairs = [[0] * count for _ in range(count)]
+    flat_base = base.reshape(-1)
+    flat_tasks = [task.reshape(-1) for task in tasks]
+    size = min(PRODUCT_CHUNK, flat_base.numel())
+    like = dict(dtype=torch.float32, device=base.device)
+    base32 = torch.empty(size, **like)
+    block = torch.empty((2 * count + 1, size), **like)  # τ rows first
+    scratch = torch.empty((count, size), **like)  # |τ|
+    with _one_cpu_thread(base.device):
+        for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
+            stop = min(start + PRODUCT_CHUNK, flat_base.numel())
+            chunk = base32[: stop - start].copy_(flat_base[start:stop])
+            part = block[:, : stop - start]
+            for index, task in enumerate(flat_tasks):
+                task_vector_into(part[index], task[start:stop], chunk)
+            # |τ| into the scratch rows (abs_ on |τ| again is a no-op).
+            magnitude = torch.abs(part[:count], out=scratch[:, : stop - start])
+            masks = change_mask(magnitude, epsilon, overwrite=True)
+            part_rows, part_pairs = overlaps_of(list(masks), chunk)
+            for s in range(count):
+                add_histogram(rows[s], part_rows[s])
+                for t in range(count):
+                    pairs[s][t] += part_pairs[s][t]
+            counts = count_masks(list(masks), chunk)
+            products.add(inner_products(part, counts, epsilon))
+    return rows, pairs, products
 
 
 # Up to this many tasks, one byte per element holds which tasks change it.
@@ -124,6 +210,9 @@ class OverlapStatistics:
     num_tensors: int = 0
     num_elements: int = 0
     seconds: float = 0.0
+    # Also sum inner products per tensor (core.regime.Products) into `products`.
+    inner_products: bool = False
+    products: dict[str, Products] = field(default_factory=dict)
 
     def add(
         self,
@@ -135,7 +224,14 @@ class OverlapStatistics:
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids = list(tasks)
-        rows, pairs = tensor_overlaps(base, [tasks[i] for i in ids], self.epsilon)
+        inputs = [tasks[i] for i in ids]
+        if self.inner_products:
+            rows, pairs, products = overlaps_and_products(
+                base, inputs, self.epsilon, ids
+            )
+            self.products[name] = products
+        else:
+            rows, pairs = tensor_overlaps(base, inputs, self.epsilon)
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}

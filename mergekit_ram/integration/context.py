@@ -27,7 +27,9 @@ from mergekit_ram.core.survival import SurvivalTally
 class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
     `tally` None unless some task model's unique elements are rescaled;
-    `unlinked`: paths the model card could not ask the hub about (offline).
+    `unlinked`: paths the model card could not ask the hub about (offline);
+    `inner_products`: the caller (`merge --report`) wants the statistics pass
+    to sum the task vectors' inner products too, for the report's retention.
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -36,6 +38,7 @@ class MergeRun:
     result: tuple | None = None
     tally: SurvivalTally | None = None
     unlinked: list[str] = field(default_factory=list)
+    inner_products: bool = False
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -130,7 +130,14 @@ def scale_planned(planner: MergePlanner) -> tuple | None:
     settings, explicit = planned_settings(merges)
     if not settings.needs_pass(explicit.keys(), explicit):
         return None
-    stats, scales = count_planned(merges, settings, explicit, planner.options)
+    run = getattr(planner, "_ram_run", None)
+    stats, scales = count_planned(
+        merges,
+        settings,
+        explicit,
+        planner.options,
+        inner_products=run is not None and run.inner_products,
+    )
     planner._tensors = [
         (weight, with_scales(task, scales)) for weight, task in planner._tensors
     ]

@@ -49,6 +49,7 @@ def collect_planned(
     storage_device: str | None,
     quiet: bool,
     desc: str = "RAM+ statistics",
+    inner_products: bool = False,
 ) -> OverlapStatistics:
     """Stream over the gathered inputs of planned merge tasks and count them.
 
@@ -57,13 +58,14 @@ def collect_planned(
     executor, one group at a time, and each group is dropped once counted.
     Every group is checked on the way (shapes, NaN/Inf under the task's
     `nonfinite` rule), so bad inputs fail here, before the merge writes
-    anything.
+    anything. `inner_products`: also sum the task vectors' inner products
+    (`mergekit-ram analyze`'s retention; costs a little more per group).
     """
     started = time.perf_counter()
     by_input: dict[Any, list[Any]] = {}
     for task in planned:
         by_input.setdefault(task.gather_tensors, []).append(task)
-    stats = OverlapStatistics(epsilon=epsilon)
+    stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
     math_device = torch.device(device or "cpu")
     executor = Executor(
         targets=list(by_input),
@@ -113,6 +115,7 @@ def count_planned(
     explicit: dict[Any, Any],
     options: Any,
     desc: str = "RAM+ statistics",
+    inner_products: bool = False,
 ) -> tuple[OverlapStatistics, dict[Any, float]]:
     """Run the statistics engine over planned tasks; λ per model, explicit first."""
     stats = collect_planned(
@@ -122,5 +125,6 @@ def count_planned(
         storage_device=options.device if options.low_cpu_memory else "cpu",
         quiet=options.quiet,
         desc=desc,
+        inner_products=inner_products,
     )
     return stats, stats.scales(settings.rule, explicit)

@@ -1,0 +1,292 @@
+"""Which regime: expected overlaps and retention against dense references.
+
+The expectations are checked against an exhaustive enumeration of independent
+random supports; retention against RAM, RAM+ and task arithmetic merged
+densely by tests/reference.py, with inner products taken over the dense
+vectors. Epsilon is large here so that sub-threshold values carry weight in
+the inner products (retention uses the full task vectors).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import reference
+import torch
+
+from mergekit_ram.core import counting
+from mergekit_ram.core.counting import OverlapStatistics, tensor_overlaps
+from mergekit_ram.core.kernel import change_mask
+from mergekit_ram.core.regime import (
+    METHODS,
+    changed_values,
+    expected_intersections,
+    expected_unique,
+    jaccard,
+    ratio,
+    retentions,
+)
+from mergekit_ram.core.scale import ScaleRule
+
+EPSILON = 1e-2
+IDS = ["code", "tools", "memory"]
+# name: (shape, each task's density): densities differ from tensor to tensor.
+PROFILES = {
+    "embed": ((30, 8), [0.6, 0.1, 0.3]),
+    "layer.0.weight": ((16, 16), [0.05, 0.5, 0.4]),
+    "layer.0.bias": ((9,), [0.3, 0.3, 0.9]),
+}
+
+
+def models(seed: int = 0, identical: int | None = None):
+    """float32 base and task state dicts with unique, shared and unchanged
+    elements, sub-threshold noise everywhere and, for task 0, sub-threshold
+    values that follow task 1's sign where task 1 changes an element."""
+    g = torch.Generator().manual_seed(seed)
+    base, tasks = {}, [{} for _ in IDS]
+    for name, (shape, densities) in PROFILES.items():
+        b = torch.randn(shape, generator=g) * 0.02
+        base[name] = b
+        deltas = []
+        for density in densities:
+            keep = torch.rand(shape, generator=g) < density
+            change = torch.randn(shape, generator=g) * 0.05 + 0.03
+            noise = (torch.rand(shape, generator=g) - 0.5) * 0.016
+            deltas.append(torch.where(keep, change, noise))
+        below = deltas[0].abs() <= EPSILON
+        follow = below & (deltas[1].abs() > EPSILON)
+        deltas[0] = torch.where(follow, 0.006 * deltas[1].sign(), deltas[0])
+        for t, delta in enumerate(deltas):
+            tasks[t][name] = b.clone() if t == identical else b + delta
+    return base, tasks
+
+
+def counted(base, tasks, inner_products=True):
+    stats = OverlapStatistics(epsilon=EPSILON, inner_products=inner_products)
+    for name in base:
+        stats.add(name, base[name], {i: t[name] for i, t in zip(IDS, tasks)})
+    return stats
+
+
+def dense_retention(base, tasks, merged, full=True):
+    """⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩ in float64 over the whole model; with
+    full=False τ_t is cut to its changed elements (what a shortcut that
+    ignores sub-threshold values would compute)."""
+    out = []
+    for task in tasks:
+        num = den = 0.0
+        for name in base:
+            tau = task[name].double() - base[name].double()
+            if not full:
+                tau = tau * (tau.abs() > EPSILON)
+            num += float((merged[name] * tau).sum())
+            den += float((tau * tau).sum())
+        out.append(num / den if den else None)
+    return out
+
+
+def dense_merges(base, tasks, *, r, alpha, saturation, statistics):
+    """Merged task vectors (float64) of every method, densely."""
+
+    def ram(r_value):
+        merged, _ = reference.merge(
+            base,
+            tasks,
+            epsilon=EPSILON,
+            r=r_value,
+            alpha=alpha,
+            saturation=saturation,
+            statistics=statistics,
+            out_dtype=torch.float32,
+        )
+        return {k: merged[k].double() - base[k].double() for k in base}
+
+    total = {k: sum(t[k].double() - base[k].double() for t in tasks) for k in base}
+    return {
+        "ram": ram(0.0),
+        "ramplus": ram(r),
+        "ta_mean": {k: v / len(tasks) for k, v in total.items()},
+        "ta_sum": total,
+    }
+
+
+def tensor_scales(base, tasks, rule):
+    """Per tensor, each task's λ from that tensor's dense counts."""
+    per_tensor = reference.counts(base, tasks, EPSILON)
+    scales = {}
+    for name, counts in per_tensor.items():
+        C, S, U, _ = reference.csu({name: counts}, len(tasks))
+        scales[name] = {
+            i: reference.lam(C[t], S[t], U[t], rule.r, rule.alpha, rule.saturation)
+            for t, i in enumerate(IDS)
+        }
+    return scales
+
+
+@pytest.mark.parametrize(
+    "r, alpha, saturation, statistics",
+    [
+        (0.1, 2.0, "clip", "global"),
+        (0.3, 0.5, "clip", "global"),
+        (0.2, 2.0, "soft", "global"),
+        (0.1, 2.0, "clip", "tensor"),
+    ],
+)
+def test_retention_equals_dense_merges(r, alpha, saturation, statistics):
+    base, tasks = models()
+    stats = counted(base, tasks)
+    rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+    if statistics == "tensor":
+        local = tensor_scales(base, tasks, rule)
+        groups = [(stats.products[name], local[name]) for name in base]
+    else:
+        C, S, U, _ = reference.csu(reference.counts(base, tasks, EPSILON), 3)
+        lam = {
+            i: reference.lam(C[t], S[t], U[t], r, alpha, saturation)
+            for t, i in enumerate(IDS)
+        }
+        groups = [(stats.products[name], lam) for name in base]
+    ours = retentions(groups, IDS)
+    assert list(ours) == list(METHODS)
+    merged = dense_merges(
+        base, tasks, r=r, alpha=alpha, saturation=saturation, statistics=statistics
+    )
+    for method, vector in merged.items():
+        expected = dense_retention(base, tasks, vector)
+        assert [ours[method][i] for i in IDS] == pytest.approx(expected, rel=1e-5)
+        # The sub-threshold values matter here: a masked τ_t would be wrong.
+        shortcut = dense_retention(base, tasks, vector, full=False)
+        assert max(abs(a / b - 1) for a, b in zip(shortcut, expected)) > 1e-3
+    # RAM keeps more of each task than averaging; RAM+ more than RAM.
+    for i in IDS:
+        assert ours["ramplus"][i] > ours["ram"][i] > ours["ta_mean"][i]
+
+
+def test_retention_of_a_task_equal_to_the_base_is_undefined():
+    base, tasks = models(seed=1, identical=1)
+    stats = counted(base, tasks)
+    ours = retentions([(p, {}) for p in stats.products.values()], IDS)
+    for method in METHODS:
+        assert ours[method]["tools"] is None
+        assert ours[method]["code"] is not None
+    assert retentions([], IDS) == {m: dict.fromkeys(IDS) for m in METHODS}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_pass_equals_whole_tensors(monkeypatch, chunk):
+    base, tasks = models(seed=2)
+    whole = counted(base, tasks)
+    monkeypatch.setattr(counting, "PRODUCT_CHUNK", chunk)
+    chunked = counted(base, tasks)
+    plain = counted(base, tasks, inner_products=False)
+    assert plain.products == {}
+    for name in base:
+        rows, pairs = tensor_overlaps(base[name], [t[name] for t in tasks], EPSILON)
+        for t, i in enumerate(IDS):
+            assert chunked.per_tensor[name][i].histogram == rows[t]
+            assert plain.per_tensor[name][i] == chunked.per_tensor[name][i]
+        a, b = whole.products[name], chunked.products[name]
+        assert a.ids == b.ids == IDS
+        for field in ("gram", "owned"):
+            for row_a, row_b in zip(getattr(a, field), getattr(b, field)):
+                assert row_a == pytest.approx(row_b, rel=1e-5, abs=1e-9)
+        assert a.ram == pytest.approx(b.ram, rel=1e-5, abs=1e-9)
+
+
+def _subsets(n: int, size: int):
+    return [set(c) for c in itertools.combinations(range(n), size)]
+
+
+def test_expectations_are_means_over_independent_supports():
+    # Each task changes a uniformly random subset of each tensor, of its
+    # observed size, independently: enumerate every outcome.
+    tensors = [(4, [2, 1, 3]), (5, [1, 4, 2]), (3, [0, 3, 1])]
+    inter = [[0.0] * 3 for _ in range(3)]
+    alone = [0.0] * 3
+    for n, sizes in tensors:
+        outcomes = list(itertools.product(*[_subsets(n, k) for k in sizes]))
+        for supports in outcomes:
+            for s in range(3):
+                others = set().union(*(supports[o] for o in range(3) if o != s))
+                alone[s] += len(supports[s] - others) / len(outcomes)
+                for t in range(3):
+                    inter[s][t] += len(supports[s] & supports[t]) / len(outcomes)
+    expected = expected_intersections(tensors, 3)
+    for row, want in zip(expected, inter):
+        assert row == pytest.approx(want, rel=1e-12)
+    assert expected_unique(tensors, 3) == pytest.approx(alone, rel=1e-12)
+    # Per tensor, not whole model: the whole-model formula differs here.
+    total = sum(n for n, _ in tensors)
+    changed = [sum(sizes[t] for _, sizes in tensors) for t in range(3)]
+    assert expected[0][1] != pytest.approx(changed[0] * changed[1] / total)
+    # An empty tensor adds nothing.
+    assert expected_intersections(tensors + [(0, [0, 0, 0])], 3) == expected
+
+
+def test_ratio_and_jaccard_edges():
+    assert ratio(6, 3.0) == 2.0
+    assert ratio(0, 0.0) is None
+    assert jaccard(0, 0, 0) == 0.0
+    assert jaccard(2.0, 4, 6) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-5, 0.5])
+def test_changed_values_follow_the_change_mask(epsilon):
+    # Exactly ±ε, just beyond it, zero and -0.0, tiny and large values.
+    tiny = torch.finfo(torch.float32).tiny
+    values = torch.tensor(
+        [epsilon, -epsilon, 0.0, -0.0, tiny, -tiny, 1.0, -1.0, 3e-5, -3e-5]
+    )
+    values = torch.cat([values, torch.nextafter(values, values * 2)])
+    changed = changed_values(values, epsilon)
+    assert torch.equal(changed, values * change_mask(values, epsilon))
+
+
+def test_many_tasks_use_the_pairwise_counts():
+    # Above JOINT_LIMIT tasks the counts come from per-task histograms; the
+    # products do not depend on which counting ran.
+    n = counting.JOINT_LIMIT + 1
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(40, generator=g) * 0.02
+    tasks = [
+        base + torch.randn(40, generator=g) * 0.05 * (torch.rand(40, generator=g) < 0.3)
+        for _ in range(n)
+    ]
+    ids = list(range(n))
+    rows, pairs, products = counting.overlaps_and_products(base, tasks, EPSILON, ids)
+    assert (rows, pairs) == tensor_overlaps(base, tasks, EPSILON)
+    merged, _ = reference.merge(
+        {"w": base}, [{"w": t} for t in tasks], epsilon=EPSILON, out_dtype=torch.float32
+    )
+    delta = merged["w"].double() - base.double()
+    for t, task in enumerate(tasks):
+        tau = task.double() - base.double()
+        assert products.ram[t] == pytest.approx(float(delta @ tau), rel=1e-5)
+        for s, other in enumerate(tasks):
+            gram = float((other.double() - base.double()) @ tau)
+            assert products.gram[s][t] == pytest.approx(gram, rel=1e-5, abs=1e-12)
+
+
+def test_products_pass_restores_the_thread_count(monkeypatch):
+    threads = torch.get_num_threads()
+    seen = []
+    original = counting.inner_products
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return original(*args)
+
+    monkeypatch.setattr(counting, "inner_products", spy)
+    base, tasks = models(seed=3)
+    counted(base, tasks)
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == threads
+
+    def fail(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(counting, "inner_products", fail)
+    with pytest.raises(RuntimeError):
+        counted(base, tasks)
+    assert torch.get_num_threads() == threads
