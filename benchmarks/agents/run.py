@@ -139,21 +139,23 @@ def run_regime(
     settings: dict,
     regime: str,
     work: Path,
-    base: tuple[Path, dict, dict],
-    evaluator: Evaluator,
+    base: tuple[Path, dict, dict | None],
+    evaluator: Evaluator | None,
     seed: int,
 ) -> dict:
-    """Agents, probe, tuned baselines, fixed merges, test eval of one regime."""
-    base_dir, base_key, base_test = base
+    """One regime: agents, probe, every merge, supports and retention (cheap,
+    no evaluation), then, with an evaluator, the baselines tuned on validation,
+    the test rows and the paired comparison with the best tuned baseline."""
+    base_dir, _base_key, base_test = base
     root = work / regime
     agents: dict[str, Path] = {}
     keys: dict[str, dict] = {}
-    rl_seconds: dict[str, float] = {}
     recipes: dict[str, dict] = {}
+    seconds: dict[str, dict] = {"rl": {}, "merge": {}, "eval": {}}
     for task in TASKS:
         agents[task], keys[task] = train_stage(settings, regime, task, work, base)
         rl_log = json.loads((agents[task] / "rl_log.json").read_text())
-        rl_seconds[task] = rl_log["seconds"]
+        seconds["rl"][task] = rl_log["seconds"]
         recipes[task] = rl_log["config"]
     agent_keys = [keys[t] for t in TASKS]
 
@@ -163,100 +165,99 @@ def run_regime(
         {"agents": agent_keys},
         lambda out: probe(merge_config({"method": "ramplus"}, base_dir, agents), out),
     )
+    seconds["probe"] = stage_seconds(probe_dir)
 
-    def merge(name: str, spec: dict, out_dir: Path) -> dict:
+    built: dict[str, tuple[Path, dict]] = {}  # every merge: fixed, then grid points
+
+    def merge(name: str, spec: dict, out_dir: Path) -> None:
         config = merge_config(spec, base_dir, agents)
         key = {"config": config, "spec": spec, "agents": agent_keys, "seed": seed}
-        return cached(out_dir, key, lambda out: run_merge(spec, config, out, seed))
+        cached(out_dir, key, lambda out: run_merge(spec, config, out, seed))
+        built[name] = (out_dir, key)
+        seconds["merge"][name] = stage_seconds(out_dir)
 
-    rows: dict[str, dict] = {"base": base_test}
-    seconds: dict[str, dict] = {"rl": rl_seconds, "merge": {}, "eval": {}}
-    for task in TASKS:
-        label = f"{task} agent"
-        eval_dir = root / "eval" / f"{task}_agent"
-        rows[label] = evaluator(agents[task], keys[task], eval_dir, "test")
-        seconds["eval"][label] = stage_seconds(eval_dir)
-
-    models: dict[str, tuple[Path, dict]] = {}
-    tuned: dict[str, dict] = {}
-    for name, spec in settings["tuned"].items():
-        trials = []
-        for point_name, point in grid_points(spec):
-            out = root / "grid" / name / point_name
-            key = merge(point_name, point, out)
-            scores = evaluator(
-                out, key, root / "validation" / name / point_name, "validation"
-            )
-            trials.append(
-                {
-                    "setting": point_name,
-                    "spec": point,
-                    "validation": scores,
-                    "validation_mean": mean_accuracy(scores),
-                    "dir": out,
-                    "key": key,
-                }
-            )
-        best = max(trials, key=lambda trial: trial["validation_mean"])
-        models[name] = (best["dir"], best["key"])
-        tuned[name] = {
-            "chosen": best["setting"],
-            "chosen_spec": best["spec"],
-            "grid": {
-                t["setting"]: {
-                    "validation_mean": t["validation_mean"],
-                    "validation": t["validation"],
-                }
-                for t in trials
-            },
-        }
     for name, spec in settings["merges"].items():
-        out = root / "merges" / name
-        models[name] = (out, merge(name, spec, out))
-        seconds["merge"][name] = stage_seconds(out)
-    for name, (model_dir, key) in models.items():
-        eval_dir = root / "eval" / name
-        rows[name] = evaluator(model_dir, key, eval_dir, "test")
-        seconds["eval"][name] = stage_seconds(eval_dir)
+        merge(name, spec, root / "merges" / name)
+    grids = {name: grid_points(spec) for name, spec in settings["tuned"].items()}
+    for name, points in grids.items():
+        for point_name, point in points:
+            merge(f"{name} {point_name}", point, root / "grid" / name / point_name)
 
-    # The best tuned baseline is chosen on validation too, never on test.
-    reference = max(
-        tuned,
-        key=lambda name: tuned[name]["grid"][tuned[name]["chosen"]]["validation_mean"],
-    )
-    bootstrap = settings["bootstrap"]
-    paired = {
-        name: paired_bootstrap(
-            rows[name], rows[reference], int(bootstrap["resamples"]), seed
-        )
-        for name in models
-        if name != reference
-    }
-    statistics = cached(
-        root / "support",
-        {"agents": agent_keys, "merges": {n: k for n, (_, k) in models.items()}},
+    support_dir = root / "support"
+    cached(
+        support_dir,
+        {"agents": agent_keys, "merges": {n: k for n, (_, k) in built.items()}},
         lambda out: (out / "support.json").write_text(
             json.dumps(
                 support_statistics(
-                    base_dir, agents, {n: d for n, (d, _) in models.items()}
+                    base_dir, agents, {n: d for n, (d, _) in built.items()}
                 ),
                 indent=1,
             )
         ),
     )
-    del statistics
-    support = json.loads((root / "support" / "support.json").read_text())
-    seconds["support"] = stage_seconds(root / "support")
-    seconds["probe"] = stage_seconds(probe_dir)
-    return {
+    seconds["support"] = stage_seconds(support_dir)
+    block = {
         "recipes": recipes,
-        "rows": rows,
-        "tuned": {n: {k: v for k, v in t.items()} for n, t in tuned.items()},
-        "reference": reference,
-        "paired": paired,
-        "support": support,
+        "support": json.loads((support_dir / "support.json").read_text()),
         "probe": json.loads((probe_dir / "report.json").read_text()),
         "seconds": seconds,
+    }
+    if evaluator is None:
+        return block
+
+    rows: dict[str, dict] = {"base": base_test}
+    for task in TASKS:
+        label = f"{task} agent"
+        eval_dir = root / "eval" / f"{task}_agent"
+        rows[label] = evaluator(agents[task], keys[task], eval_dir, "test")
+        seconds["eval"][label] = stage_seconds(eval_dir)
+    tested: dict[str, tuple[Path, dict]] = {}
+    tuned: dict[str, dict] = {}
+    for name, points in grids.items():
+        grid = {}
+        for point_name, _point in points:
+            model_dir, key = built[f"{name} {point_name}"]
+            out = root / "validation" / name / point_name
+            scores = evaluator(model_dir, key, out, "validation")
+            grid[point_name] = {
+                "validation_mean": mean_accuracy(scores),
+                "validation": scores,
+            }
+        chosen = max(grid, key=lambda point_name: grid[point_name]["validation_mean"])
+        tuned[name] = {"chosen": chosen, "grid": grid}
+        tested[name] = built[f"{name} {chosen}"]
+    tested.update({name: built[name] for name in settings["merges"]})
+    for name, (model_dir, key) in tested.items():
+        eval_dir = root / "eval" / name
+        rows[name] = evaluator(model_dir, key, eval_dir, "test")
+        seconds["eval"][name] = stage_seconds(eval_dir)
+
+    # The best tuned baseline is chosen on validation too, never on test.
+    def validation_mean(name: str) -> float:
+        return tuned[name]["grid"][tuned[name]["chosen"]]["validation_mean"]
+
+    reference = max(tuned, key=validation_mean)
+    resamples = int(settings["bootstrap"]["resamples"])
+    paired = {
+        name: paired_bootstrap(rows[name], rows[reference], resamples, seed)
+        for name in tested
+        if name != reference
+    }
+    retention = block["support"]["retention"]
+    block["support"]["retention"] = {
+        name: retention[
+            name if name in settings["merges"] else f"{name} {tuned[name]['chosen']}"
+        ]
+        for name in tested
+    }
+    block["support"]["retention_all_merges"] = retention
+    return {
+        **block,
+        "rows": rows,
+        "tuned": tuned,
+        "reference": reference,
+        "paired": paired,
     }
 
 
@@ -295,6 +296,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="Build the base and this agent, then stop (to train agents in parallel).",
     )
+    parser.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="Stop before evaluating: agents, probe, merges, supports and retention "
+        "only (the cheap half), written to WORK_DIR/supports.json.",
+    )
     args = parser.parse_args(argv)
     settings = yaml.safe_load(Path(args.config).read_text())
     work = Path(args.work_dir or settings["work_dir"])
@@ -318,8 +325,12 @@ def main(argv: list[str] | None = None) -> None:
                 settings, regime, args.only_agent, work, (base_dir, base_key, None)
             )
         return
-    evaluator = Evaluator(settings, seed)
-    base_test = evaluator(base_dir, base_key, work / "eval" / "base", "test")
+    evaluator = None if args.no_eval else Evaluator(settings, seed)
+    base_test = (
+        None
+        if evaluator is None
+        else evaluator(base_dir, base_key, work / "eval" / "base", "test")
+    )
     document = {
         "test_prompts_per_task": int(settings["eval"]["test"]),
         "validation_prompts_per_task": int(settings["eval"]["validation"]),
@@ -331,6 +342,11 @@ def main(argv: list[str] | None = None) -> None:
         document["regimes"][regime] = run_regime(
             settings, regime, work, (base_dir, base_key, base_test), evaluator, seed
         )
+    if evaluator is None:
+        path = work / "supports.json"
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        log(f"done (no evaluation) in {time.perf_counter() - started:.0f} s: {path}")
+        return
     paths = write_results(document, Path(settings["results_dir"]))
     log(f"done in {time.perf_counter() - started:.0f} s: " + ", ".join(map(str, paths)))
 
