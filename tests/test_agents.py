@@ -137,6 +137,11 @@ def test_support_statistics_count_overlap_uniqueness_and_retention(tmp_path):
     assert pair["lift"] == 1.0 and pair["jaccard"] == 2 / 6
     # ⟨a + b, a⟩ / ⟨a, a⟩ = 1 + ⟨b, a⟩ / ⟨a, a⟩ = 1 + 2·2 / 4
     assert stats["retention"]["sum"]["a"] == pytest.approx(2.0)
+    unchanged = support_statistics(
+        dirs["base"], {"a": dirs["a"], "same": dirs["base"]}, {"sum": dirs["sum"]}
+    )
+    assert unchanged["retention"]["sum"]["same"] is None
+    assert unchanged["agents"]["same"]["density"] == 0.0
 
 
 def test_grid_points_cover_the_product_with_weight_on_models():

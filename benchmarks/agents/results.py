@@ -61,11 +61,12 @@ def spearman(a: dict[str, float], b: dict[str, float]) -> float:
 
 def retention_check(block: dict) -> dict:
     """Do the merges' mean retention and test accuracy rank them alike?"""
-    retention = block["support"]["retention"]
-    mean_retention = {
-        name: sum(values.values()) / len(values) for name, values in retention.items()
-    }
-    accuracy = {name: average(block["rows"][name])[0] for name in retention}
+    mean_retention = {}
+    for name, values in block["support"]["retention"].items():
+        kept = [value for value in values.values() if value is not None]
+        if kept:  # agents that changed nothing have no retention
+            mean_retention[name] = sum(kept) / len(kept)
+    accuracy = {name: average(block["rows"][name])[0] for name in mean_retention}
     return {
         "mean_retention": mean_retention,
         "test_mean_accuracy": accuracy,
@@ -155,9 +156,10 @@ def retention_markdown(block: dict) -> str:
         "|" + "---|" * (len(TASKS) + 3),
     ]
     for name in check["order_by_retention"]:
+        kept = [retention[name][t] for t in TASKS]
         lines.append(
             f"| {name} | "
-            + " | ".join(f"{retention[name][t]:.3f}" for t in TASKS)
+            + " | ".join("—" if k is None else f"{k:.3f}" for k in kept)
             + f" | {check['mean_retention'][name]:.3f} | "
             f"{100 * check['test_mean_accuracy'][name]:.1f} |"
         )

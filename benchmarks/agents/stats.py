@@ -92,8 +92,11 @@ def support_statistics(
             if union_expected
             else 0.0,
         }
-    retention = {
-        merge: {name: dot[(merge, name)] / norm[name] for name in names}
+    retention = {  # None for an agent that changed nothing (no task vector)
+        merge: {
+            name: dot[(merge, name)] / norm[name] if norm[name] else None
+            for name in names
+        }
         for merge in merges
     }
     return {
