@@ -138,9 +138,10 @@ def support_markdown(block: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for pair, stats in support["pairs"].items():
+        lift = "—" if stats["lift"] is None else f"{stats['lift']:.2f}"
         lines.append(
             f"| {pair} | {stats['overlap']:,} | {stats['overlap_expected']:,.0f} | "
-            f"{stats['lift']:.2f} | {stats['jaccard']:.3f} | "
+            f"{lift} | {stats['jaccard']:.3f} | "
             f"{stats['jaccard_expected']:.3f} |"
         )
     return "\n".join(lines) + "\n"
