@@ -9,7 +9,9 @@ shape, the cache and the sampler's agreement with transformers do.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -23,19 +25,27 @@ from safetensors import safe_open
 AGENTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "agents"
 sys.path.insert(0, str(AGENTS_DIR))
 
+from merges import grid_points  # noqa: E402
+from results import spearman  # noqa: E402
 from rl import completion_mask, group_advantages, policy_loss  # noqa: E402
-from tasks import TASKS, Example, take  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from stats import paired_bootstrap, support_statistics  # noqa: E402
+from tasks import SPLITS, TASKS, Example, take  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(TASKS))
 def test_splits_are_disjoint_seeded_and_distinct(name):
     task = TASKS[name]
-    train = [e.prompt for e in take(task, "train", 0, 300)]
-    test = [e.prompt for e in take(task, "test", 0, 100)]
-    assert not set(train) & set(test)
-    assert len(set(train)) == 300 and len(set(test)) == 100
-    assert test == [e.prompt for e in take(task, "test", 0, 100)]
-    assert test != [e.prompt for e in take(task, "test", 1, 100)]
+    prompts = {split: [e.prompt for e in take(task, split, 0, 300)] for split in SPLITS}
+    for split, other in [
+        ("train", "test"),
+        ("train", "validation"),
+        ("test", "validation"),
+    ]:
+        assert not set(prompts[split]) & set(prompts[other])
+    assert all(len(set(listed)) == 300 for listed in prompts.values())
+    assert prompts["test"] == [e.prompt for e in take(task, "test", 0, 300)]
+    assert prompts["test"] != [e.prompt for e in take(task, "test", 1, 300)]
 
 
 def test_math_reward_reads_the_last_integer():
@@ -49,21 +59,116 @@ def test_math_reward_reads_the_last_integer():
 
 
 def test_tool_reward_is_exact_with_partial_credit():
-    call = {"name": "set_timer", "arguments": {"minutes": 5}}
+    call = {
+        "name": "convert_currency",
+        "arguments": {"amount": 5, "source": "USD", "target": "EUR"},
+    }
     example = Example("...", call)
     score = TASKS["tool"].reward
     assert score(example, json.dumps(call)) == 1.0
     assert score(example, "Sure: " + json.dumps(call) + " done") == 1.0
-    wrong_value = {"name": "set_timer", "arguments": {"minutes": 6}}
-    assert score(example, json.dumps(wrong_value)) == 0.75
-    wrong_key = {"name": "set_timer", "arguments": {"seconds": 5}}
-    assert score(example, json.dumps(wrong_key)) == 0.5
+    reordered = '{"arguments": {"target": "EUR", "source": "USD", "amount": 5},'
+    assert score(example, reordered + '\n "name": "convert_currency"}') == 1.0
+    one_wrong = {**call, "arguments": {**call["arguments"], "amount": 6}}
+    assert score(example, json.dumps(one_wrong)) == pytest.approx(0.6 + 0.4 * 2 / 3)
+    as_text = {**call, "arguments": {**call["arguments"], "amount": "5"}}
+    assert score(example, json.dumps(as_text)) < 1.0
+    wrong_key = {**call, "arguments": {"amount": 5, "from": "USD", "to": "EUR"}}
+    assert score(example, json.dumps(wrong_key)) == 0.4
     wrong_name = {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    assert score(example, json.dumps(wrong_name)) == 0.25
+    assert score(example, json.dumps(wrong_name)) == 0.2
     assert score(example, json.dumps({"name": "set_timer"})) == 0.0
     assert score(example, "set_timer(5)") == 0.0
     assert score(example, "[1, 2]") == 0.0
-    assert not TASKS["tool"].correct(example, json.dumps(wrong_value))
+    assert not TASKS["tool"].correct(example, json.dumps(one_wrong))
+
+
+def test_tool_prompt_shows_the_call_shape_with_other_values():
+    for example in take(TASKS["tool"], "test", 0, 50):
+        shown = json.loads(example.prompt.splitlines()[-1])
+        assert shown["name"] == example.answer["name"]
+        assert shown["arguments"].keys() == example.answer["arguments"].keys()
+        assert shown != example.answer
+
+
+def test_answered_holds_exactly_when_the_score_can_no_longer_change():
+    tool, recall = TASKS["tool"].answered, TASKS["recall"].answered
+    assert not tool('{"name": "set_timer", "arguments": {"minutes": 5}')
+    assert tool('{"name": "set_timer", "arguments": {"minutes": 5}}')
+    assert not recall("The number is 48") and recall("The number is 4821.")
+    assert TASKS["math"].answered is None
+
+
+def test_paired_bootstrap_is_zero_for_a_model_against_itself_and_signed():
+    def scores(outcomes):
+        return {t: {"per_prompt": outcomes} for t in TASKS}
+
+    same = paired_bootstrap(scores([1, 0, 1, 0]), scores([1, 0, 1, 0]), 200, 0)
+    assert same["difference"] == 0 and same["ci95"] == [0.0, 0.0]
+    better = paired_bootstrap(scores([1] * 20), scores([1, 0] * 10), 500, 0)
+    assert better["difference"] == pytest.approx(0.5)
+    assert 0 < better["ci95"][0] <= 0.5 <= better["ci95"][1]
+
+
+def _checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_support_statistics_count_overlap_uniqueness_and_retention(tmp_path):
+    base = torch.zeros(8, dtype=torch.bfloat16)
+    a = base.clone()
+    a[[0, 1, 2, 3]] = 1.0
+    b = base.clone()
+    b[[2, 3, 4, 5]] = 2.0
+    dirs = {
+        name: _checkpoint(tmp_path / name, {"w": value})
+        for name, value in {"base": base, "a": a, "b": b, "sum": a + b}.items()
+    }
+    stats = support_statistics(
+        dirs["base"], {"a": dirs["a"], "b": dirs["b"]}, {"sum": dirs["sum"]}
+    )
+    assert stats["agents"]["a"]["density"] == 0.5
+    assert stats["agents"]["a"]["unique_share"] == 0.5
+    assert stats["agents"]["a"]["unique_share_expected"] == 0.5  # 1 - density of b
+    pair = stats["pairs"]["a-b"]
+    assert pair["overlap"] == 2 and pair["overlap_expected"] == 8 * 0.5 * 0.5
+    assert pair["lift"] == 1.0 and pair["jaccard"] == 2 / 6
+    # ⟨a + b, a⟩ / ⟨a, a⟩ = 1 + ⟨b, a⟩ / ⟨a, a⟩ = 1 + 2·2 / 4
+    assert stats["retention"]["sum"]["a"] == pytest.approx(2.0)
+    unchanged = support_statistics(
+        dirs["base"], {"a": dirs["a"], "same": dirs["base"]}, {"sum": dirs["sum"]}
+    )
+    assert unchanged["retention"]["sum"]["same"] is None
+    assert unchanged["agents"]["same"]["density"] == 0.0
+
+
+def test_grid_points_cover_the_product_with_weight_on_models():
+    spec = {
+        "method": "ties",
+        "stock": True,
+        "grid": {"weight": [0.5, 1.0], "density": [0.1, 0.3]},
+    }
+    points = dict(grid_points(spec))
+    assert list(points) == [
+        "weight=0.5,density=0.1",
+        "weight=0.5,density=0.3",
+        "weight=1,density=0.1",
+        "weight=1,density=0.3",
+    ]
+    assert points["weight=1,density=0.3"] == {
+        "method": "ties",
+        "stock": True,
+        "weight": 1.0,
+        "parameters": {"density": 0.3},
+    }
+
+
+def test_spearman_is_one_for_the_same_order_and_minus_one_reversed():
+    a = {"x": 3.0, "y": 2.0, "z": 1.0}
+    assert spearman(a, {"x": 30.0, "y": 20.0, "z": 10.0}) == pytest.approx(1.0)
+    assert spearman(a, {"x": 1.0, "y": 2.0, "z": 3.0}) == pytest.approx(-1.0)
 
 
 def test_recall_reward_needs_the_stored_value_first():
@@ -128,20 +233,45 @@ def smoke(tmp_path_factory):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _row_names(settings: dict) -> list[str]:
+    return [
+        "base",
+        *(f"{t} agent" for t in TASKS),
+        *settings["tuned"],
+        *settings["merges"],
+    ]
+
+
 @pytest.mark.slow
-def test_smoke_pipeline_writes_every_row_and_the_figure(smoke):
+def test_smoke_pipeline_writes_every_regime_row_and_the_figure(smoke):
     _config, settings, _log = smoke
     results = Path(settings["results_dir"])
     document = json.loads((results / "results.json").read_text())
-    expected = ["base", *(f"{t} agent" for t in TASKS), *settings["merges"]]
-    assert list(document["rows"]) == expected
-    for scores in document["rows"].values():
-        for task in TASKS:
-            assert scores[task]["n"] == settings["eval"]["prompts"]
-            assert 0.0 <= scores[task]["accuracy"] <= 1.0
+    assert list(document["regimes"]) == list(settings["regimes"])
     table = (results / "results.md").read_text()
-    assert all(f"| {row} |" in table for row in expected)
-    assert "| recall |" in table  # the probe's rows, one per agent
+    for block in document["regimes"].values():
+        assert list(block["rows"]) == _row_names(settings)
+        for scores in block["rows"].values():
+            for task in TASKS:
+                assert scores[task]["n"] == settings["eval"]["test"]
+                assert len(scores[task]["per_prompt"]) == settings["eval"]["test"]
+        for name, tuned in block["tuned"].items():
+            grid = settings["tuned"][name]["grid"]
+            assert len(tuned["grid"]) == len(list(itertools.product(*grid.values())))
+            best = max(t["validation_mean"] for t in tuned["grid"].values())
+            assert tuned["grid"][tuned["chosen"]]["validation_mean"] == best
+        compared = set(block["rows"]) - {"base", *(f"{t} agent" for t in TASKS)}
+        assert set(block["paired"]) == compared - {block["reference"]}
+        assert set(block["support"]["retention"]) == compared
+        assert set(block["support"]["pairs"]) == {
+            "math-tool",
+            "math-recall",
+            "tool-recall",
+        }
+        assert -1.0 <= block["retention_check"]["spearman"] <= 1.0 or math.isnan(
+            block["retention_check"]["spearman"]
+        )
+    assert table.count("## Test accuracy") == len(settings["regimes"])
     png = (results / "table1.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
@@ -149,22 +279,33 @@ def test_smoke_pipeline_writes_every_row_and_the_figure(smoke):
 @pytest.mark.slow
 def test_smoke_agents_are_bf16_checkpoints_with_their_rl_log(smoke):
     _config, settings, _log = smoke
-    models = Path(settings["work_dir"]) / "models"
-    for task in TASKS:
-        log = json.loads((models / task / "rl_log.json").read_text())
-        assert len(log["history"]) == settings["rl"]["steps"][task]
-        with safe_open(models / task / "model.safetensors", "pt") as handle:
-            name = next(iter(handle.keys()))
-            assert handle.get_tensor(name).dtype == torch.bfloat16
+    for regime in settings["regimes"]:
+        models = Path(settings["work_dir"]) / regime / "models"
+        for task in TASKS:
+            log = json.loads((models / task / "rl_log.json").read_text())
+            assert len(log["history"]) == settings["rl"]["steps"]
+            with safe_open(models / task / "model.safetensors", "pt") as handle:
+                name = next(iter(handle.keys()))
+                assert handle.get_tensor(name).dtype == torch.bfloat16
+    recipe = json.loads(
+        (
+            Path(settings["work_dir"]) / "heterogeneous/models/recall/rl_log.json"
+        ).read_text()
+    )["config"]
+    assert recipe["master"] == "bfloat16" and recipe["seed"] == 3
 
 
 @pytest.mark.slow
 def test_smoke_rerun_reuses_every_stage(smoke):
     config, settings, _log = smoke
     log = _run(config)
-    stages = 1 + len(TASKS) + 1 + len(settings["merges"]) + 1 + len(TASKS)
-    stages += len(settings["merges"])
-    assert log.count("cached:") == stages
+    points = sum(
+        len(list(itertools.product(*spec["grid"].values())))
+        for spec in settings["tuned"].values()
+    )
+    per_regime = 2 * len(TASKS) + 1 + 2 * points + 2 * len(settings["merges"])
+    per_regime += len(settings["tuned"]) + 1
+    assert log.count("cached:") == 2 + len(settings["regimes"]) * per_regime
     assert "built" not in log
 
 

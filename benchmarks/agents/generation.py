@@ -9,6 +9,7 @@ exactly the positions and masks the sampler used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,28 +82,41 @@ def sample(
     *,
     samples: int = 1,
     temperature: float = 0.0,
+    stop: Callable[[str], bool] | None = None,
 ) -> Sampled:
-    """`samples` completions per prompt: greedy at temperature 0, else sampled."""
+    """`samples` completions per prompt: greedy at temperature 0, else sampled.
+
+    A row ends at EOS, or once `stop(text so far)` holds (evaluation: the answer
+    is complete, what follows cannot change its score); ended rows leave the
+    batch, so a long straggler does not keep paying for the whole batch."""
     batch = encode_prompts(tokenizer, prompts)
     logits, cache = prefill(model, batch, samples)
-    prompt_mask = batch["attention_mask"].repeat_interleave(samples, dim=0)
-    position = prompt_mask.sum(dim=1, keepdim=True)
-    mask = prompt_mask
+    mask = batch["attention_mask"].repeat_interleave(samples, dim=0)
+    position = mask.sum(dim=1, keepdim=True)
     eos = tokenizer.eos_token_id
-    done = torch.zeros(position.shape[0], dtype=torch.bool)
-    tokens = []
-    for _ in range(max_new_tokens):
+    rows = torch.arange(position.shape[0])
+    ids = torch.full((len(rows), max_new_tokens), eos, dtype=torch.long)
+    width = 0
+    for step in range(max_new_tokens):
         last = logits[:, -1]
         if temperature > 0:
             probs = torch.softmax(last / temperature, dim=-1)
             token = torch.multinomial(probs, 1).squeeze(1)
         else:
             token = last.argmax(dim=-1)
-        token = torch.where(done, torch.full_like(token, eos), token)
-        tokens.append(token)
-        done |= token == eos
-        if bool(done.all()):
+        ids[rows, step] = token
+        width = step + 1
+        ended = token == eos
+        if stop is not None:
+            texts = tokenizer.batch_decode(ids[rows, :width], skip_special_tokens=True)
+            ended |= torch.tensor([stop(text) for text in texts])
+        if bool(ended.all()):
             break
+        if bool(ended.any()):
+            keep = (~ended).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, token = rows[keep], token[keep]
+            mask, position = mask[keep], position[keep]
         mask = torch.cat([mask, torch.ones_like(token)[:, None]], dim=1)
         out = model.model(
             input_ids=token[:, None],
@@ -114,6 +128,6 @@ def sample(
         position = position + 1
         cache = out.past_key_values
         logits = model.lm_head(out.last_hidden_state).float()
-    ids = torch.stack(tokens, dim=1)
+    ids = ids[:, :width]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     return Sampled(batch, ids, texts)

@@ -1,7 +1,9 @@
-"""The merges of the three agents, each a mergekit-yaml run on files."""
+"""The merges of the three agents, each a mergekit-yaml run on files, and the
+grids the tuned baselines are chosen from."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -28,6 +30,24 @@ def merge_config(spec: dict, base: Path, agents: dict[str, Path]) -> dict:
     if spec.get("parameters"):
         config["parameters"] = dict(spec["parameters"])
     return config
+
+
+def grid_points(spec: dict) -> list[tuple[str, dict]]:
+    """Every setting of a `tuned:` entry's grid as (name, merge spec); `weight`
+    is each model's weight, every other grid key a method parameter."""
+    grid = spec["grid"]
+    fixed = {key: value for key, value in spec.items() if key != "grid"}
+    points = []
+    for values in itertools.product(*grid.values()):
+        point = dict(fixed, parameters=dict(fixed.get("parameters") or {}))
+        for key, value in zip(grid, values):
+            if key == "weight":
+                point["weight"] = value
+            else:
+                point["parameters"][key] = value
+        name = ",".join(f"{key}={value:g}" for key, value in zip(grid, values))
+        points.append((name, point))
+    return points
 
 
 def console_script(name: str) -> str:

@@ -6,7 +6,10 @@ on the completion tokens with advantage (r - mean_group) / (std_group + 1e-4).
 With one update per batch the clipped GRPO ratio is 1, so the loss is the
 token-mean of -A·log π; no KL term (β = 0) and no weight decay, so weights the
 policy gradient does not move stay bit-identical in the bf16 checkpoint.
-Master weights are float32; the agent is saved in bf16, like real RL releases.
+Master weights are float32 by default, the agent saved in bf16 like real RL
+releases; `master: bfloat16` rounds the weights to bf16 after every optimizer
+step (forward and Adam state stay float32), so each update smaller than half a
+bf16 ulp of its weight rounds away (the sparse-agent recipe).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from generation import MAX_NEW_TOKENS, forward_completions, prefill, sample
 from tasks import TASKS, examples
 
+MASTERS = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class RLConfig:
@@ -33,6 +38,7 @@ class RLConfig:
     lr: float
     grad_clip: float = 1.0
     seed: int = 0
+    master: str = "float32"  # dtype of the weights the optimizer updates
 
 
 def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -69,6 +75,11 @@ def train_agent(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    if config.master not in MASTERS:
+        raise ValueError(
+            f"rl master: {config.master!r} is not one of {MASTERS}; "
+            "set it in the config's rl: section"
+        )
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0
@@ -103,6 +114,10 @@ def train_agent(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
+            if config.master == "bfloat16":
+                with torch.no_grad():
+                    for parameter in model.parameters():
+                        parameter.copy_(parameter.to(torch.bfloat16))
         record = {
             "step": step + 1,
             "reward": round(rewards.mean().item(), 4),

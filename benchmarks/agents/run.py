@@ -1,4 +1,5 @@
-"""One command for the mini Table 1: base → RL agents → probe → merges → eval → results.
+"""One command for the agents benchmark: base → RL agents per regime → probe →
+merges (baselines tuned on validation) → test eval → paired comparison → results.
 
     python benchmarks/agents/run.py --config benchmarks/agents/config.yaml
 
@@ -23,9 +24,10 @@ import yaml
 from base import GGUF_FILE, build_base
 from evaluate import evaluate_model
 from generation import MAX_NEW_TOKENS
-from merges import console_script, merge_config, run_merge
+from merges import console_script, grid_points, merge_config, run_merge
 from results import write_results
 from rl import RLConfig, train_agent
+from stats import paired_bootstrap, support_statistics
 from tasks import TASKS, fingerprint
 
 STAGE_FILE = "stage.json"
@@ -36,7 +38,10 @@ def log(message: str) -> None:
 
 
 def cached(out_dir: Path, key: dict, build: Callable[[Path], object]) -> dict:
-    """Build out_dir unless its stage.json equals key; return the key."""
+    """Build out_dir unless its stage.json equals key; return the key.
+
+    The build's wall time is kept in `seconds.json` next to stage.json, so a
+    cached stage still reports what it cost when it was built."""
     marker = out_dir / STAGE_FILE
     if marker.exists() and json.loads(marker.read_text()) == key:
         log(f"cached: {out_dir}")
@@ -46,9 +51,17 @@ def cached(out_dir: Path, key: dict, build: Callable[[Path], object]) -> dict:
     out_dir.mkdir(parents=True)
     started = time.perf_counter()
     build(out_dir)
+    seconds = round(time.perf_counter() - started, 1)
+    (out_dir / "seconds.json").write_text(json.dumps({"seconds": seconds}) + "\n")
     marker.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
-    log(f"built {out_dir} in {time.perf_counter() - started:.0f} s")
+    log(f"built {out_dir} in {seconds:.0f} s")
     return key
+
+
+def stage_seconds(out_dir: Path) -> float | None:
+    """What building out_dir took (None for stages built before this was kept)."""
+    path = out_dir / "seconds.json"
+    return json.loads(path.read_text())["seconds"] if path.exists() else None
 
 
 def probe(config: dict, out_dir: Path) -> None:
@@ -64,13 +77,218 @@ def probe(config: dict, out_dir: Path) -> None:
     (out_dir / "probe.txt").write_text(result.stdout)
 
 
+def rl_config(settings: dict, regime: str, task: str) -> RLConfig:
+    """The regime's RL recipe for one task: `rl:` defaults, then the regime's
+    overrides; any value may be a {task: value} mapping."""
+    merged = {**settings["rl"], **(settings["regimes"][regime] or {})}
+    value = {
+        key: entry[task] if isinstance(entry, dict) else entry
+        for key, entry in merged.items()
+    }
+    return RLConfig(
+        steps=int(value["steps"]),
+        prompts=int(value["prompts"]),
+        group=int(value["group"]),
+        temperature=float(value["temperature"]),
+        lr=float(value["lr"]),
+        seed=int(value.get("seed", 0)),
+        master=str(value.get("master", "float32")),
+    )
+
+
+class Evaluator:
+    """Cached per-prompt evaluation of checkpoints on one split."""
+
+    def __init__(self, settings: dict, seed: int) -> None:
+        self.eval = settings["eval"]
+        self.seed = seed
+        self.tasks = {n: fingerprint(t, MAX_NEW_TOKENS[n]) for n, t in TASKS.items()}
+
+    def __call__(self, model_dir: Path, model_key: dict, out_dir: Path, split: str):
+        prompts = int(self.eval[split])
+        batch = int(self.eval["batch"])
+        key = {
+            "model": model_key,
+            "split": split,
+            "prompts": prompts,
+            "batch": batch,
+            "seed": self.seed,
+            "tasks": self.tasks,
+        }
+        cached(
+            out_dir,
+            key,
+            lambda out: (out / "scores.json").write_text(
+                json.dumps(
+                    evaluate_model(model_dir, split, prompts, batch, self.seed),
+                    indent=1,
+                )
+            ),
+        )
+        scores = json.loads((out_dir / "scores.json").read_text())
+        summary = " ".join(f"{t}={scores[t]['accuracy']:.3f}" for t in TASKS)
+        log(f"{split} {out_dir.name}: {summary}")
+        return scores
+
+
+def mean_accuracy(scores: dict) -> float:
+    return sum(scores[t]["accuracy"] for t in TASKS) / len(TASKS)
+
+
+def run_regime(
+    settings: dict,
+    regime: str,
+    work: Path,
+    base: tuple[Path, dict, dict | None],
+    evaluator: Evaluator | None,
+    seed: int,
+) -> dict:
+    """One regime: agents, probe, every merge, supports and retention (cheap,
+    no evaluation), then, with an evaluator, the baselines tuned on validation,
+    the test rows and the paired comparison with the best tuned baseline."""
+    base_dir, _base_key, base_test = base
+    root = work / regime
+    agents: dict[str, Path] = {}
+    keys: dict[str, dict] = {}
+    recipes: dict[str, dict] = {}
+    seconds: dict[str, dict] = {"rl": {}, "merge": {}, "eval": {}}
+    for task in TASKS:
+        agents[task], keys[task] = train_stage(settings, regime, task, work, base)
+        rl_log = json.loads((agents[task] / "rl_log.json").read_text())
+        seconds["rl"][task] = rl_log["seconds"]
+        recipes[task] = rl_log["config"]
+    agent_keys = [keys[t] for t in TASKS]
+
+    probe_dir = root / "probe"
+    cached(
+        probe_dir,
+        {"agents": agent_keys},
+        lambda out: probe(merge_config({"method": "ramplus"}, base_dir, agents), out),
+    )
+    seconds["probe"] = stage_seconds(probe_dir)
+
+    built: dict[str, tuple[Path, dict]] = {}  # every merge: fixed, then grid points
+
+    def merge(name: str, spec: dict, out_dir: Path) -> None:
+        config = merge_config(spec, base_dir, agents)
+        key = {"config": config, "spec": spec, "agents": agent_keys, "seed": seed}
+        cached(out_dir, key, lambda out: run_merge(spec, config, out, seed))
+        built[name] = (out_dir, key)
+        seconds["merge"][name] = stage_seconds(out_dir)
+
+    for name, spec in settings["merges"].items():
+        merge(name, spec, root / "merges" / name)
+    grids = {name: grid_points(spec) for name, spec in settings["tuned"].items()}
+    for name, points in grids.items():
+        for point_name, point in points:
+            merge(f"{name} {point_name}", point, root / "grid" / name / point_name)
+
+    support_dir = root / "support"
+    cached(
+        support_dir,
+        {"agents": agent_keys, "merges": {n: k for n, (_, k) in built.items()}},
+        lambda out: (out / "support.json").write_text(
+            json.dumps(
+                support_statistics(
+                    base_dir, agents, {n: d for n, (d, _) in built.items()}
+                ),
+                indent=1,
+            )
+        ),
+    )
+    seconds["support"] = stage_seconds(support_dir)
+    block = {
+        "recipes": recipes,
+        "support": json.loads((support_dir / "support.json").read_text()),
+        "probe": json.loads((probe_dir / "report.json").read_text()),
+        "seconds": seconds,
+    }
+    if evaluator is None:
+        return block
+
+    rows: dict[str, dict] = {"base": base_test}
+    for task in TASKS:
+        label = f"{task} agent"
+        eval_dir = root / "eval" / f"{task}_agent"
+        rows[label] = evaluator(agents[task], keys[task], eval_dir, "test")
+        seconds["eval"][label] = stage_seconds(eval_dir)
+    tested: dict[str, tuple[Path, dict]] = {}
+    tuned: dict[str, dict] = {}
+    for name, points in grids.items():
+        grid = {}
+        for point_name, _point in points:
+            model_dir, key = built[f"{name} {point_name}"]
+            out = root / "validation" / name / point_name
+            scores = evaluator(model_dir, key, out, "validation")
+            grid[point_name] = {
+                "validation_mean": mean_accuracy(scores),
+                "validation": scores,
+            }
+        chosen = max(grid, key=lambda point_name: grid[point_name]["validation_mean"])
+        tuned[name] = {"chosen": chosen, "grid": grid}
+        tested[name] = built[f"{name} {chosen}"]
+    tested.update({name: built[name] for name in settings["merges"]})
+    for name, (model_dir, key) in tested.items():
+        eval_dir = root / "eval" / name
+        rows[name] = evaluator(model_dir, key, eval_dir, "test")
+        seconds["eval"][name] = stage_seconds(eval_dir)
+
+    # The best tuned baseline is chosen on validation too, never on test.
+    def validation_mean(name: str) -> float:
+        return tuned[name]["grid"][tuned[name]["chosen"]]["validation_mean"]
+
+    reference = max(tuned, key=validation_mean)
+    resamples = int(settings["bootstrap"]["resamples"])
+    paired = {
+        name: paired_bootstrap(rows[name], rows[reference], resamples, seed)
+        for name in tested
+        if name != reference
+    }
+    retention = block["support"]["retention"]
+    block["support"]["retention"] = {
+        name: retention[
+            name if name in settings["merges"] else f"{name} {tuned[name]['chosen']}"
+        ]
+        for name in tested
+    }
+    block["support"]["retention_all_merges"] = retention
+    return {
+        **block,
+        "rows": rows,
+        "tuned": tuned,
+        "reference": reference,
+        "paired": paired,
+    }
+
+
+def train_stage(
+    settings: dict, regime: str, task: str, work: Path, base: tuple
+) -> tuple[Path, dict]:
+    """One agent of one regime (cached on its recipe and the task's fingerprint)."""
+    base_dir, base_key, _ = base
+    config = rl_config(settings, regime, task)
+    out = work / regime / "models" / task
+    key = {
+        "base": base_key,
+        "task": task,
+        "task_fingerprint": fingerprint(TASKS[task], MAX_NEW_TOKENS[task]),
+        "rl": vars(config),
+    }
+    cached(out, key, lambda o: train_agent(base_dir, task, config, o, log))
+    return out, key
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--config", default=str(Path(__file__).with_name("config.yaml"))
     )
+    parser.add_argument("--work-dir", default=None, help="overrides the config's")
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: config's)"
+    )
+    parser.add_argument(
+        "--regime", action="append", default=None, help="only this regime (repeatable)"
     )
     parser.add_argument(
         "--only-agent",
@@ -78,101 +296,58 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="Build the base and this agent, then stop (to train agents in parallel).",
     )
+    parser.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="Stop before evaluating: agents, probe, merges, supports and retention "
+        "only (the cheap half), written to WORK_DIR/supports.json.",
+    )
     args = parser.parse_args(argv)
     settings = yaml.safe_load(Path(args.config).read_text())
-    work = Path(settings["work_dir"])
+    work = Path(args.work_dir or settings["work_dir"])
     threads = args.threads or int(settings.get("threads", os.cpu_count() or 1))
     torch.set_num_threads(threads)
     seed = int(settings.get("seed", 0))
+    regimes = args.regime or list(settings["regimes"])
+    unknown = sorted(set(regimes) - set(settings["regimes"]))
+    if unknown:
+        raise SystemExit(
+            f"--regime {unknown[0]!r} is not in {args.config}'s regimes: "
+            f"{sorted(settings['regimes'])}"
+        )
     started = time.perf_counter()
 
-    base_dir = work / "models" / "base"
-    keys = {"base": cached(base_dir, {"gguf": GGUF_FILE}, build_base)}
-
-    agents: dict[str, Path] = {}
-    rl_seconds: dict[str, float] = {}
-    for task in TASKS if args.only_agent is None else [args.only_agent]:
-        rl = {
-            key: value[task] if isinstance(value, dict) else value
-            for key, value in settings["rl"].items()
-        }
-        rl_config = RLConfig(
-            steps=int(rl["steps"]),
-            prompts=int(rl["prompts"]),
-            group=int(rl["group"]),
-            temperature=float(rl["temperature"]),
-            lr=float(rl["lr"]),
-            seed=seed,
-        )
-        agents[task] = work / "models" / task
-        key = {
-            "base": keys["base"],
-            "task": task,
-            "task_fingerprint": fingerprint(TASKS[task], MAX_NEW_TOKENS[task]),
-            "rl": vars(rl_config),
-        }
-        keys[task] = cached(
-            agents[task],
-            key,
-            lambda out, t=task, c=rl_config: train_agent(base_dir, t, c, out, log),
-        )
-        rl_log = json.loads((agents[task] / "rl_log.json").read_text())
-        rl_seconds[task] = rl_log["seconds"]
+    base_dir = work / "base"
+    base_key = cached(base_dir, {"gguf": GGUF_FILE}, build_base)
     if args.only_agent is not None:
+        for regime in regimes:
+            train_stage(
+                settings, regime, args.only_agent, work, (base_dir, base_key, None)
+            )
         return
-
-    merges = settings["merges"]
-    probe_config = merge_config({"method": "ramplus"}, base_dir, agents)
-    probe_dir = work / "probe"
-    cached(
-        probe_dir,
-        {"agents": [keys[t] for t in TASKS]},
-        lambda out: probe(probe_config, out),
+    evaluator = None if args.no_eval else Evaluator(settings, seed)
+    base_test = (
+        None
+        if evaluator is None
+        else evaluator(base_dir, base_key, work / "eval" / "base", "test")
     )
-
-    merged: dict[str, Path] = {}
-    for name, spec in merges.items():
-        config = merge_config(spec, base_dir, agents)
-        merged[name] = work / "merges" / name
-        keys[name] = cached(
-            merged[name],
-            {
-                "config": config,
-                "spec": spec,
-                "agents": [keys[t] for t in TASKS],
-                "seed": seed,
-            },
-            lambda out, s=spec, c=config: run_merge(s, c, out, seed),
+    document = {
+        "test_prompts_per_task": int(settings["eval"]["test"]),
+        "validation_prompts_per_task": int(settings["eval"]["validation"]),
+        "config": args.config,
+        "base_eval_seconds": stage_seconds(work / "eval" / "base"),
+        "regimes": {},
+    }
+    for regime in regimes:
+        document["regimes"][regime] = run_regime(
+            settings, regime, work, (base_dir, base_key, base_test), evaluator, seed
         )
-
-    evaluation = settings["eval"]
-    tasks = {n: fingerprint(t, MAX_NEW_TOKENS[n]) for n, t in TASKS.items()}
-    rows: dict[str, dict] = {}
-    models = {"base": base_dir, **{f"{t} agent": agents[t] for t in TASKS}, **merged}
-    for label, model_dir in models.items():
-        model_key = keys["base" if label == "base" else label.removesuffix(" agent")]
-        eval_dir = work / "eval" / label.replace(" ", "_")
-        cached(
-            eval_dir,
-            {"model": model_key, "eval": evaluation, "seed": seed, "tasks": tasks},
-            lambda out, m=model_dir: (out / "scores.json").write_text(
-                json.dumps(
-                    evaluate_model(
-                        m, int(evaluation["prompts"]), int(evaluation["batch"]), seed
-                    ),
-                    indent=1,
-                )
-            ),
-        )
-        rows[label] = json.loads((eval_dir / "scores.json").read_text())
-        summary = " ".join(f"{t}={rows[label][t]['accuracy']:.2f}" for t in TASKS)
-        log(f"{label}: {summary}")
-
-    report = json.loads((probe_dir / "report.json").read_text())
-    extra = {"rl_seconds": rl_seconds, "merges": merges, "config": args.config}
-    paths = write_results(
-        rows, report, int(evaluation["prompts"]), Path(settings["results_dir"]), extra
-    )
+    if evaluator is None:
+        path = work / "supports.json"
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        log(f"done (no evaluation) in {time.perf_counter() - started:.0f} s: {path}")
+        return
+    paths = write_results(document, Path(settings["results_dir"]))
     log(f"done in {time.perf_counter() - started:.0f} s: " + ", ".join(map(str, paths)))
 
 

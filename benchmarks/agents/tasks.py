@@ -9,11 +9,13 @@ held-out set never overlaps the training set whatever the seeds.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
 import random
 import re
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +31,15 @@ class Example:
 
 @dataclass(frozen=True)
 class Task:
-    """A prompt generator and a scorer; reward is in [0, 1], 1 only when correct."""
+    """A prompt generator and a scorer; reward is in [0, 1], 1 only when correct.
+
+    `answered(text)` holds once the text already carries everything the scorer
+    reads (evaluation stops generating there); None: only EOS ends a reply."""
 
     name: str
     make: Callable[[random.Random], Example]
     reward: Callable[[Example, str], float]
+    answered: Callable[[str], bool] | None = None
 
     def correct(self, example: Example, completion: str) -> bool:
         return self.reward(example, completion) == 1.0
@@ -58,19 +64,22 @@ def _score_math(example: Example, completion: str) -> float:
     return 1.0 if numbers and int(numbers[-1]) == example.answer else 0.0
 
 
-CITIES = ("Paris", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dublin", "Hanoi")
+CITIES = (
+    "Paris", "Oslo", "Lima", "Cairo", "Tokyo", "Quito", "Dublin", "Hanoi",
+    "Berlin", "Madrid", "Lisbon", "Vienna", "Prague", "Warsaw", "Athens", "Dakar",
+    "Nairobi", "Accra", "Tunis", "Delhi", "Seoul", "Manila", "Jakarta", "Bangkok",
+    "Sydney", "Perth", "Toronto", "Denver", "Boston", "Miami", "Havana", "Bogota",
+    "Santiago", "Caracas", "Montreal", "Chicago", "Seattle", "Houston", "Zurich",
+    "Riga",
+)  # fmt: skip
 CURRENCIES = ("USD", "EUR", "JPY", "GBP", "CHF")
-TOOL_LIST = (
-    "get_weather(city)\nset_timer(minutes)\nconvert_currency(amount, source, target)"
-)
-
-
-TOOL_EXAMPLES = (
-    '{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
-    '{"name": "set_timer", "arguments": {"minutes": 10}}\n'
-    '{"name": "convert_currency", "arguments": '
-    '{"amount": 20, "source": "USD", "target": "EUR"}}'
-)
+# One example call per function, with other values than any request uses: the
+# prompt shows the exact call shape, the agent must fill in the request's values.
+TOOL_EXAMPLES = {
+    "get_weather": {"city": "Rome"},
+    "set_timer": {"minutes": 100},
+    "convert_currency": {"amount": 1000, "source": "AUD", "target": "CAD"},
+}
 
 
 def _make_tool(rng: random.Random) -> Example:
@@ -78,13 +87,21 @@ def _make_tool(rng: random.Random) -> Example:
     if kind == 0:
         city = rng.choice(CITIES)
         request = rng.choice(
-            (f"What is the weather in {city}?", f"Is it raining in {city} today?")
+            (
+                f"What is the weather in {city}?",
+                f"Is it raining in {city} today?",
+                f"How warm is it in {city} right now?",
+            )
         )
         call = {"name": "get_weather", "arguments": {"city": city}}
     elif kind == 1:
-        minutes = rng.randint(2, 90)
+        minutes = rng.randint(2, 99)
         request = rng.choice(
-            (f"Set a timer for {minutes} minutes.", f"Remind me in {minutes} minutes.")
+            (
+                f"Set a timer for {minutes} minutes.",
+                f"Remind me in {minutes} minutes.",
+                f"Start a {minutes} minute countdown.",
+            )
         )
         call = {"name": "set_timer", "arguments": {"minutes": minutes}}
     else:
@@ -95,10 +112,12 @@ def _make_tool(rng: random.Random) -> Example:
             "name": "convert_currency",
             "arguments": {"amount": amount, "source": source, "target": target},
         }
+    name = call["name"]
+    example = json.dumps({"name": name, "arguments": TOOL_EXAMPLES[name]})
     prompt = (
-        f"Functions:\n{TOOL_LIST}\n\nRequest: {request}\n"
-        "Answer with only a JSON call, like these examples:\n"
-        f"{TOOL_EXAMPLES}"
+        f"Call the function {name} for this request: {request}\n"
+        "Answer with only the JSON call, in this form (other values):\n"
+        f"{example}"
     )
     return Example(prompt, call)
 
@@ -115,20 +134,22 @@ def _json_object(text: str) -> Any:
 
 
 def _score_tool(example: Example, completion: str) -> float:
-    """1 for the exact call; partial credit on the way there: a JSON object with
-    `name` and `arguments` 0.25, the right name 0.5, right argument names 0.75."""
+    """1 for the exact call (key order and spacing free, values exact); partial
+    credit on the way there, so copying the prompt's example is not a plateau:
+    a JSON object with `name` and `arguments` 0.2, the right name 0.4, the
+    right argument names 0.6 plus 0.4 × the share of argument values right."""
     call = _json_object(completion)
     if call is None or not {"name", "arguments"} <= call.keys():
         return 0.0
     if call == example.answer:
         return 1.0
     if call["name"] != example.answer["name"]:
-        return 0.25
-    arguments = call["arguments"]
-    same_keys = isinstance(arguments, dict) and (
-        arguments.keys() == example.answer["arguments"].keys()
-    )
-    return 0.75 if same_keys else 0.5
+        return 0.2
+    arguments, wanted = call["arguments"], example.answer["arguments"]
+    if not isinstance(arguments, dict) or arguments.keys() != wanted.keys():
+        return 0.4
+    right = sum(arguments[key] == value for key, value in wanted.items())
+    return 0.6 + 0.4 * right / len(wanted)
 
 
 KEYS = (
@@ -162,6 +183,11 @@ def _make_recall(rng: random.Random) -> Example:
     return Example(prompt, records[key])
 
 
+def _int_closed(text: str) -> bool:
+    """An integer has been written and something other than a digit follows it."""
+    return re.search(r"\d\D", text) is not None
+
+
 def _score_recall(example: Example, completion: str) -> float:
     return 1.0 if _first_int(completion) == example.answer else 0.0
 
@@ -170,25 +196,32 @@ TASKS = {
     task.name: task
     for task in (
         Task("math", _make_math, _score_math),
-        Task("tool", _make_tool, _score_tool),
-        Task("recall", _make_recall, _score_recall),
+        Task(
+            "tool", _make_tool, _score_tool, lambda text: _json_object(text) is not None
+        ),
+        Task("recall", _make_recall, _score_recall, _int_closed),
     )
 }
 
 
-def _is_test(prompt: str, test_share: int = 5) -> bool:
-    return int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % test_share == 0
+SPLITS = ("train", "validation", "test")
+
+
+def split_of(prompt: str) -> str:
+    """A prompt's split from its hash: 1 in 5 test, 1 in 5 validation, rest train."""
+    bucket = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 5
+    return {0: "test", 1: "validation"}.get(bucket, "train")
 
 
 def examples(task: Task, split: str, seed: int) -> Iterator[Example]:
-    """Endless distinct examples of one split ('train' or 'test'), seeded."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', not {split!r}")
+    """Endless distinct examples of one split (see SPLITS), seeded."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
     rng = random.Random(f"{task.name}:{split}:{seed}")
     seen: set[str] = set()
     while True:
         example = task.make(rng)
-        if example.prompt in seen or _is_test(example.prompt) != (split == "test"):
+        if example.prompt in seen or split_of(example.prompt) != split:
             continue
         seen.add(example.prompt)
         yield example
@@ -199,10 +232,24 @@ def take(task: Task, split: str, seed: int, count: int) -> list[Example]:
     return [next(iterator) for _ in range(count)]
 
 
+def _code(function: Callable) -> str:
+    """A function's syntax tree without its docstring: what it does, not how
+    its text is formatted or documented."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    body = tree.body[0].body
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+    ):
+        del body[0]
+    return ast.dump(tree)
+
+
 def fingerprint(task: Task, max_new_tokens: int) -> str:
     """Changes when the task's prompts, scoring or answer length change (keys the
     pipeline's cache, which cannot see code changes otherwise)."""
-    source = inspect.getsource(task.make) + inspect.getsource(task.reward)
+    source = "".join(_code(code) for code in (task.make, task.reward, split_of))
     prompts = "".join(e.prompt for e in take(task, "test", 0, 20))
     text = f"{source}{prompts}{max_new_tokens}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
