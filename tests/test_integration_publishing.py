@@ -544,7 +544,7 @@ def complete_previous(fresh: Path, out: Path) -> None:
 
 def staging_left(out: Path) -> list[str]:
     """Hidden staging folders or lock files next to `out`."""
-    return [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.")]
+    return [n for n in os.listdir(out.parent) if n.startswith(".mergekit-ram-")]
 
 
 def assert_rerun_equals_fresh(family, fresh: Path, out: Path) -> None:

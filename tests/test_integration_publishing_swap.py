@@ -37,7 +37,7 @@ def hashes(folder: Path) -> dict[str, str]:
 
 
 def leftovers(out: Path) -> list[str]:
-    return [n for n in os.listdir(out.parent) if n.startswith(f".{out.name}.")]
+    return [n for n in os.listdir(out.parent) if n.startswith(".mergekit-ram-")]
 
 
 def write_config(path: Path, config: dict) -> Path:
