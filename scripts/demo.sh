@@ -2,5 +2,5 @@
 # Set up (scripts/setup.sh) and run `mergekit-ram demo`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+EXTRAS="${EXTRAS:-}" bash scripts/setup.sh
 HF_HUB_OFFLINE=1 "${VENV:-.venv}/bin/mergekit-ram" demo "$@"

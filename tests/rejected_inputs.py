@@ -1,8 +1,8 @@
-"""Every input mergekit-ram refuses, and the README table of their messages.
+"""Every input mergekit-ram refuses, and the docs/errors.md table of their messages.
 
 One list of cases feeds both tests/test_integration_validation.py (each must exit 2
 with a message that names the key or model and the fix, and no traceback)
-and the "Errors you may see" table in README.md, which shows the messages
+and the table in docs/errors.md ("Errors you may see"), which shows the messages
 `mergekit-ram` actually printed, so the two cannot drift. After changing a
 message, regenerate the table with
 
@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 BEGIN = "<!-- rejected-inputs:begin -->"
 END = "<!-- rejected-inputs:end -->"
 REGENERATE = "python tests/rejected_inputs.py --write"
@@ -715,16 +715,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;")
 
 
-def readme_block(readme: str) -> str:
-    """The text between the README's rejected-inputs markers."""
-    start = readme.index(BEGIN) + len(BEGIN)
-    return readme[start : readme.index(END)].strip("\n")
+def errors_block(page: str) -> str:
+    """The text between the errors page's rejected-inputs markers."""
+    start = page.index(BEGIN) + len(BEGIN)
+    return page[start : page.index(END)].strip("\n")
 
 
-def with_block(readme: str, table: str) -> str:
-    """The README with `table` between the rejected-inputs markers."""
-    start = readme.index(BEGIN) + len(BEGIN)
-    return f"{readme[:start]}\n{table}\n{readme[readme.index(END) :]}"
+def with_block(page: str, table: str) -> str:
+    """The errors page with `table` between the rejected-inputs markers."""
+    start = page.index(BEGIN) + len(BEGIN)
+    return f"{page[:start]}\n{table}\n{page[page.index(END) :]}"
 
 
 def make_workspace(root: Path) -> Workspace:
@@ -735,16 +735,16 @@ def make_workspace(root: Path) -> Workspace:
 
 
 def main_write(write: bool) -> None:
-    """Print the freshly rendered table, or write it into README.md."""
+    """Print the freshly rendered table, or write it into docs/errors.md."""
     with tempfile.TemporaryDirectory() as tmp:
         ws = make_workspace(Path(tmp))
         table = render_table({case.id: run_case(case, ws) for case in CASES})
     if not write:
         print(table)
         return
-    readme = README.read_text(encoding="utf-8")
-    README.write_text(with_block(readme, table), encoding="utf-8")
-    print(f"README.md: {len(CASES)} rejected inputs")
+    page = ERRORS_PAGE.read_text(encoding="utf-8")
+    ERRORS_PAGE.write_text(with_block(page, table), encoding="utf-8")
+    print(f"docs/errors.md: {len(CASES)} rejected inputs")
 
 
 if __name__ == "__main__":

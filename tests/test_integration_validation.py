@@ -1,7 +1,7 @@
 """Configuration checks: every refused input, before any weight is read.
 
 The refused inputs live in tests/rejected_inputs.py, one list that drives
-both the parametrized test below and the README table of their messages.
+both the parametrized test below and the docs/errors.md table of their messages.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from rejected_inputs import (
     CASES,
-    README,
+    ERRORS_PAGE,
     REGENERATE,
     Outcome,
     Workspace,
+    errors_block,
     no_weight_reads,
-    readme_block,
     render_table,
     run_case,
 )
@@ -68,12 +68,12 @@ def test_refused_with_exit_2_and_a_message(case, outcomes, workspace):
         assert not out.exists() or not any(out.iterdir())
 
 
-def test_readme_table_matches_the_messages(outcomes):
+def test_errors_page_table_matches_the_messages(outcomes):
     table = render_table(outcomes)
-    block = readme_block(README.read_text(encoding="utf-8"))
+    block = errors_block(ERRORS_PAGE.read_text(encoding="utf-8"))
     if block != table:
         pytest.fail(
-            "README.md's table of rejected inputs differs from the messages the "
+            "docs/errors.md's table of rejected inputs differs from the messages the "
             f"code prints; regenerate it with `{REGENERATE}`."
         )
 

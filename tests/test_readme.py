@@ -1,14 +1,19 @@
-"""README.md is exactly true where a test can tell: its YAML copies equal the
-files they name, its Use commands and Python example run as written from a
-folder holding the repository's example configs after the documented demo
-step, and its dependency list and licence match pyproject.toml."""
+"""README.md and the docs/ pages it links are exactly true where a test can tell:
+the README's command blocks run in order in a fresh shell (slow) and its Use
+commands and Python example run as written after the documented demo step
+(in-process, default run); its YAML copies equal the files they name; the
+statistics example matches the demo's output; links resolve; the dependency
+list and licence match pyproject.toml; and the README stays a front door."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,26 +24,36 @@ from mergekit_ram.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES += [ROOT / "benchmarks" / "agents" / "README.md"]
+# The one README command a test cannot run: it is the command that runs this
+# test (CI runs it from .ci/run; test_ci_runs_the_readme_test_command checks).
+TEST_COMMAND = "bash scripts/test.sh"
+
+
+def fenced(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", text, re.M | re.S)
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", README, re.M | re.S)
+    return fenced(README, language)
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def use_section() -> str:
-    return README.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
-
-
-def fenced(section: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", section, re.M | re.S)
+    return section(README, "Use")
 
 
 def run_command(line: str) -> None:
-    """One line of the README's Use commands, run in-process."""
+    """One line of the README's Use commands, run in-process (the activation
+    line only matters to a shell)."""
     from mergekit.scripts.run_yaml import main as mergekit_yaml
 
     words = shlex.split(line, comments=True)
-    if not words:
+    if not words or words[0] == "source":
         return
     tool, args = words[0], words[1:]
     if tool == "mergekit-yaml":
@@ -58,7 +73,8 @@ def repository(tmp_path_factory):
     shutil.copytree(ROOT / "example_configs", root / "example_configs")
     (command_block,) = fenced(use_section(), "bash")
     lines = [line for line in command_block.splitlines() if line.strip()]
-    assert lines[0].split("#")[0].split() == ["mergekit-ram", "demo", "--out", "."]
+    assert lines[0].split("#")[0].split() == ["source", ".venv/bin/activate"]
+    assert lines[1].split("#")[0].split() == ["mergekit-ram", "demo", "--out", "."]
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(root)
         for line in lines:
@@ -68,7 +84,7 @@ def repository(tmp_path_factory):
 
 def test_yaml_blocks_equal_the_files_they_name():
     named = 0
-    for block in blocks("yaml"):
+    for block in [b for page in PAGES for b in fenced(page.read_text(), "yaml")]:
         first, _, rest = block.partition("\n")
         match = re.fullmatch(r"# (\S+\.ya?ml)", first)
         if match:
@@ -87,8 +103,18 @@ def test_use_commands_merge_from_the_root_after_the_demo(repository):
     assert written == source
 
 
+def test_use_commands_write_the_analyze_report(repository):
+    report = json.loads((repository / "report" / "report.json").read_text())
+    assert [t["model"] for t in report["tasks"]] == [
+        "./models/coder",
+        "./models/tool_caller",
+        "./models/memory",
+    ]
+
+
 def test_statistics_example_is_the_demo_coder_row(repository):
-    (example,) = [b for b in blocks("json") if '"overlap_histogram"' in b]
+    outputs = (ROOT / "docs" / "outputs.md").read_text(encoding="utf-8")
+    (example,) = [b for b in fenced(outputs, "json") if '"overlap_histogram"' in b]
     shown = json.loads(example)
     real = json.loads((repository / "merged" / "ram_statistics.json").read_text())
     for key in ("epsilon", "r", "alpha", "saturation", "statistics"):
@@ -122,7 +148,7 @@ def test_python_example_runs_and_both_merges_agree(repository, monkeypatch):
 def test_dependencies_are_the_ones_listed():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    install = README.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    install = section(README, "Install elsewhere")
     listed = re.search(r"The package's dependencies are (.*?)\.\n", install, re.S)
     assert listed is not None
     named = re.findall(r"`([^`]+)`", listed.group(1))
@@ -153,8 +179,118 @@ def test_licence_file_matches_pyproject():
 
 def test_the_spec_is_cited_where_a_clone_has_it():
     old_name = "RAM_" + "SPEC"
-    texts = [ROOT / "README.md", ROOT / "docs" / "report_schema.md"]
+    texts = list(PAGES)
     texts += [*ROOT.glob("mergekit_ram/**/*.py"), *ROOT.glob("tests/*.py")]
     texts += [*ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("benchmarks/**/*.md")]
     citing = [str(p.relative_to(ROOT)) for p in texts if old_name in p.read_text()]
     assert citing == []
+
+
+def test_readme_is_a_front_door():
+    """Under 20 KB, the two commands and Use before the details, the PyTorch
+    choice next to the two commands, every docs page linked from it."""
+    assert len(README.encode("utf-8")) < 20_000
+    headings = re.findall(r"^## (.+)$", README, re.M)
+    assert headings.index("Two commands") < headings.index("Use")
+    assert headings.index("Use") < headings.index("Parameters")
+    assert "TORCH_INDEX_URL" in section(README, "Two commands")
+    assert blocks("bash")[0].split("#")[0].split() == ["bash", "scripts/demo.sh"]
+    for page in (ROOT / "docs").glob("*.md"):
+        assert f"](docs/{page.name})" in README, f"docs/{page.name} is not linked"
+
+
+def slug(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading (GitHub's rule)."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    text = page.read_text(encoding="utf-8")
+    checked = 0
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name} links {target}: no such file"
+        if anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+            assert anchor in {slug(h) for h in headings}, f"{page.name}: {target}"
+        checked += 1
+    assert checked or page.name != "README.md"
+
+
+def test_ci_runs_the_readme_test_command():
+    (two_commands,) = fenced(section(README, "Two commands"), "bash")
+    assert TEST_COMMAND in [
+        line.split("#")[0].strip() for line in two_commands.splitlines()
+    ]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(rf"^(\w+=\S+ )*{re.escape(TEST_COMMAND)}\b", ci, re.M)
+
+
+def readme_script() -> str:
+    """Every command block of the README in order, as one shell session: bash
+    blocks line by line, Python blocks through the python the session has."""
+    parts = ["set -euo pipefail"]
+    for language, body in re.findall(
+        r"^```(bash|python)\n(.*?)^```$", README, re.M | re.S
+    ):
+        if language == "python":
+            parts.append(f"python - <<'README_PYTHON'\n{body}README_PYTHON")
+            continue
+        for line in body.splitlines():
+            if line.split("#")[0].strip() != TEST_COMMAND:
+                parts.append(line)
+    return "\n".join(parts) + "\n"
+
+
+def fresh_checkout(target: Path) -> None:
+    """The files a clone of this checkout has (tracked and not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def fresh_shell_environment() -> dict[str, str]:
+    """This machine's environment without anything a venv or our tests set."""
+    dropped = {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "HF_HUB_OFFLINE", "VENV"}
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
+    venv_bin = str(Path(sys.executable).parent)
+    paths = env.get("PATH", "").split(os.pathsep)
+    env["PATH"] = os.pathsep.join(p for p in paths if p and p != venv_bin)
+    return env
+
+
+@pytest.mark.slow
+def test_every_readme_command_block_runs_in_order_in_a_fresh_shell(tmp_path):
+    """A newcomer pasting the README's blocks, in order, into one new shell in a
+    fresh clone: set-up, the demo, activation, the Use commands, the Python."""
+    checkout = tmp_path / "clone"
+    fresh_checkout(checkout)
+    result = subprocess.run(
+        ["bash", "-c", readme_script()],
+        cwd=checkout,
+        env=fresh_shell_environment(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "setup: creating .venv" in output
+    assert "setup: installing PyTorch" in output
+    assert "setup: done" in output
+    assert re.search(r"mergekit-ram \d+\.\d+\.\d+", output)
+    assert (checkout / "merged" / "ram_statistics.json").is_file()
+    assert (checkout / "report" / "report.json").is_file()

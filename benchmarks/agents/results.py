@@ -125,7 +125,14 @@ def support_markdown(block: dict) -> str:
         paper = PAPER_PROBE[name]
         lines.append(
             f"| {name} | lr {recipe['lr']:g}, {recipe['steps']} steps, seed "
-            f"{recipe['seed']}, {recipe['master']} master "
+            f"{recipe['seed']}, {recipe['master']} master"
+            + (f", mask {recipe['mask']:g}" if recipe.get("mask", 1) < 1 else "")
+            + (
+                f", saved {recipe['save']}"
+                if recipe.get("save", "bfloat16") != "bfloat16"
+                else ""
+            )
+            + " "
             f"| {100 * stats['density']:.1f} "
             f"| {100 * stats['unique_share']:.1f} "
             f"| {100 * stats['unique_share_expected']:.1f} "

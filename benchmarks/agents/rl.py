@@ -9,7 +9,11 @@ policy gradient does not move stay bit-identical in the bf16 checkpoint.
 Master weights are float32 by default, the agent saved in bf16 like real RL
 releases; `master: bfloat16` rounds the weights to bf16 after every optimizer
 step (forward and Adam state stay float32), so each update smaller than half a
-bf16 ulp of its weight rounds away (the sparse-agent recipe).
+bf16 ulp of its weight rounds away. `mask: p` lets the agent update only a
+seeded random share p of each tensor's elements (sparse fine-tuning: supports
+independent between agents by construction), and `save: float32` writes the
+float32 weights instead of rounding them to bf16, so every masked element the
+gradient moved stays changed (a release in full precision).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from generation import MAX_NEW_TOKENS, forward_completions, prefill, sample
 from tasks import TASKS, examples
 
 MASTERS = ("float32", "bfloat16")
+SAVES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class RLConfig:
     grad_clip: float = 1.0
     seed: int = 0
     master: str = "float32"  # dtype of the weights the optimizer updates
+    mask: float = 1.0  # share of each tensor's elements the optimizer may move
+    save: str = "bfloat16"  # dtype the agent is written in
 
 
 def completion_mask(completions: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -53,6 +60,26 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     grouped = rewards.view(-1, group)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     return (centred / (grouped.std(dim=1, keepdim=True) + 1e-4)).view(-1)
+
+
+def update_masks(model, share: float, seed: int) -> list[torch.Tensor] | None:
+    """One seeded random boolean mask per parameter, True on `share` of its
+    elements (None: every element may move)."""
+    if share >= 1.0:
+        return None
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    return [
+        torch.rand(p.shape, generator=generator) < share for p in model.parameters()
+    ]
+
+
+def mask_gradients(parameters, masks: list[torch.Tensor] | None) -> None:
+    """Zero the gradient outside each mask: Adam then never moves those elements
+    (no weight decay, and their moment estimates stay zero)."""
+    if masks is None:
+        return
+    for parameter, keep in zip(parameters, masks):
+        parameter.grad.mul_(keep)
 
 
 def policy_loss(model, sampled, mask, advantages, group) -> torch.Tensor:
@@ -75,12 +102,15 @@ def train_agent(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    if config.master not in MASTERS:
+    if config.master not in MASTERS or config.save not in SAVES:
         raise ValueError(
-            f"rl master: {config.master!r} is not one of {MASTERS}; "
-            "set it in the config's rl: section"
+            f"rl master: {config.master!r} / save: {config.save!r} must be one of "
+            f"{MASTERS}; set them in the config's rl: section"
         )
+    if not 0.0 < config.mask <= 1.0:
+        raise ValueError(f"rl mask: {config.mask} must be in (0, 1]")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    masks = update_masks(model, config.mask, config.seed)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0
     )
@@ -112,6 +142,7 @@ def train_agent(
             optimizer.zero_grad(set_to_none=True)
             loss = policy_loss(model, sampled, mask, advantages, config.group)
             loss.backward()
+            mask_gradients(model.parameters(), masks)
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             if config.master == "bfloat16":
@@ -127,7 +158,7 @@ def train_agent(
         }
         history.append(record)
         log(f"[{task_name}] " + " ".join(f"{k}={v}" for k, v in record.items()))
-    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    model.to(SAVES[config.save]).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     summary = {
         "task": task_name,

@@ -93,6 +93,8 @@ def rl_config(settings: dict, regime: str, task: str) -> RLConfig:
         lr=float(value["lr"]),
         seed=int(value.get("seed", 0)),
         master=str(value.get("master", "float32")),
+        mask=float(value.get("mask", 1.0)),
+        save=str(value.get("save", "bfloat16")),
     )
 
 
@@ -169,7 +171,13 @@ def run_regime(
 
     built: dict[str, tuple[Path, dict]] = {}  # every merge: fixed, then grid points
 
+    # A regime whose agents are float32 releases writes its merges in float32
+    # too (unless a merge names its dtype): bf16 would round their updates away.
+    merge_dtype = (settings["regimes"][regime] or {}).get("merge_dtype")
+
     def merge(name: str, spec: dict, out_dir: Path) -> None:
+        if merge_dtype is not None and "dtype" not in spec:
+            spec = {**spec, "dtype": merge_dtype}
         config = merge_config(spec, base_dir, agents)
         key = {"config": config, "spec": spec, "agents": agent_keys, "seed": seed}
         cached(out_dir, key, lambda out: run_merge(spec, config, out, seed))
