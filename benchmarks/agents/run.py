@@ -23,6 +23,7 @@ import torch
 import yaml
 from base import GGUF_FILE, build_base
 from evaluate import evaluate_model
+from filelock import FileLock
 from generation import MAX_NEW_TOKENS
 from merges import console_script, grid_points, merge_config, run_merge
 from results import write_results
@@ -41,19 +42,23 @@ def cached(out_dir: Path, key: dict, build: Callable[[Path], object]) -> dict:
     """Build out_dir unless its stage.json equals key; return the key.
 
     The build's wall time is kept in `seconds.json` next to stage.json, so a
-    cached stage still reports what it cost when it was built."""
+    cached stage still reports what it cost when it was built. Runs of two
+    regimes in parallel share stages (the base's evaluation): a lock next to
+    out_dir makes the second wait for the first's build and reuse it."""
     marker = out_dir / STAGE_FILE
-    if marker.exists() and json.loads(marker.read_text()) == key:
-        log(f"cached: {out_dir}")
-        return key
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    started = time.perf_counter()
-    build(out_dir)
-    seconds = round(time.perf_counter() - started, 1)
-    (out_dir / "seconds.json").write_text(json.dumps({"seconds": seconds}) + "\n")
-    marker.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out_dir.parent / f".{out_dir.name}.lock"):
+        if marker.exists() and json.loads(marker.read_text()) == key:
+            log(f"cached: {out_dir}")
+            return key
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        out_dir.mkdir(parents=True)
+        started = time.perf_counter()
+        build(out_dir)
+        seconds = round(time.perf_counter() - started, 1)
+        (out_dir / "seconds.json").write_text(json.dumps({"seconds": seconds}) + "\n")
+        marker.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
     log(f"built {out_dir} in {seconds:.0f} s")
     return key
 
@@ -293,6 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--work-dir", default=None, help="overrides the config's")
     parser.add_argument(
+        "--results-dir",
+        default=None,
+        help="overrides the config's (e.g. one per regime run in parallel)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: config's)"
     )
     parser.add_argument(
@@ -355,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(document, indent=1) + "\n")
         log(f"done (no evaluation) in {time.perf_counter() - started:.0f} s: {path}")
         return
-    paths = write_results(document, Path(settings["results_dir"]))
+    paths = write_results(document, Path(args.results_dir or settings["results_dir"]))
     log(f"done in {time.perf_counter() - started:.0f} s: " + ", ".join(map(str, paths)))
 
 
