@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import click
@@ -105,3 +106,11 @@ def test_analyze_epsilon_passes_the_yaml_checks(sanity_family, tmp_path, value):
     result = CliRunner().invoke(main, ["analyze", str(path), "--epsilon", value])
     assert result.exit_code == 2, result.output
     assert "finite number ≥ 0" in result.output
+
+
+def test_version_names_both_packages():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0, result.output
+    ours = importlib.metadata.version("mergekit-ram")
+    host = importlib.metadata.version("mergekit")
+    assert result.output == f"mergekit-ram {ours}, mergekit {host}\n"

@@ -29,7 +29,30 @@ class _Commands(click.Group):
             raise ClickInputError(str(error)) from error
 
 
+def versions() -> str:
+    """The installed mergekit-ram and mergekit versions: a bug report needs both."""
+    from importlib.metadata import version
+
+    return f"mergekit-ram {version('mergekit-ram')}, mergekit {version('mergekit')}"
+
+
+def _show_versions(
+    context: click.Context, _param: click.Parameter, value: bool
+) -> None:
+    if value and not context.resilient_parsing:
+        click.echo(versions())
+        context.exit()
+
+
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_versions,
+    help="Show mergekit-ram's and mergekit's versions and exit.",
+)
 def main() -> None:
     """RAM and RAM+ (Reinforced Agent Merging) for mergekit."""
     install()
