@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
+from collections.abc import Collection
 
 import click
 import pytest
@@ -12,14 +14,15 @@ import torch
 import yaml
 from click.testing import CliRunner
 from conftest import read_json
-from mergekit.options import add_merge_options
+from mergekit.options import MergeOptions, add_merge_options
 from safetensors.torch import load_file
 
-from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.cli import ANALYZE_OPTIONS, main
 
 
-def mergekit_option_names() -> list[str]:
-    """Every option string mergekit's own add_merge_options defines."""
+def mergekit_option_names(fields: Collection[str] | None = None) -> list[str]:
+    """Every option string mergekit's own add_merge_options defines (for the
+    MergeOptions `fields` only, when given)."""
 
     @click.command()
     @add_merge_options
@@ -28,8 +31,14 @@ def mergekit_option_names() -> list[str]:
 
     names = []
     for param in probe.params:
-        names += [*param.opts, *param.secondary_opts]
+        if fields is None or param.name in fields:
+            names += [*param.opts, *param.secondary_opts]
     return [n for n in names if n.startswith("-")]
+
+
+def offers(help_text: str, option: str) -> bool:
+    """Whether `option` appears in `help_text` as a whole option string."""
+    return re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", help_text) is not None
 
 
 def test_merge_help_lists_mergekit_options():
@@ -40,6 +49,27 @@ def test_merge_help_lists_mergekit_options():
     missing = [n for n in names if n not in result.output]
     assert not missing, result.output
     assert "CONFIG_FILE" in result.output and "OUT_PATH" in result.output
+
+
+def test_analyze_offers_only_the_options_it_uses(tmp_path):
+    assert ANALYZE_OPTIONS < set(MergeOptions.model_fields)  # no misspelt field
+    ignored = set(MergeOptions.model_fields) - ANALYZE_OPTIONS
+    dropped = mergekit_option_names(ignored)
+    assert {"--out-shard-size", "--write-model-card", "--random-seed"} <= set(dropped)
+    result = CliRunner().invoke(main, ["analyze", "--help"])
+    assert result.exit_code == 0, result.output
+    assert [n for n in dropped if offers(result.output, n)] == []
+    kept = mergekit_option_names(ANALYZE_OPTIONS)
+    assert [n for n in kept if not offers(result.output, n)] == []
+    merge_help = CliRunner().invoke(main, ["merge", "--help"]).output
+    assert all(offers(merge_help, n) for n in dropped)
+
+    config = tmp_path / "c.yml"
+    config.write_text("merge_method: ramplus\n", encoding="utf-8")
+    for option in ("--out-shard-size", "--write-model-card", "--random-seed"):
+        result = CliRunner().invoke(main, ["analyze", str(config), option, "1"])
+        assert result.exit_code == 2, result.output
+        assert f"No such option '{option}'" in result.output
 
 
 def load_merged(out) -> dict[str, torch.Tensor]:

@@ -240,6 +240,39 @@ def merge(
     _emit(build_report(analysis), report_dir)
 
 
+# The MergeOptions fields analyze reads: where and how models are found and
+# loaded (mergekit's planner and loader cache), where the statistics pass
+# computes, and logging. The others shape a merge's execution or its output
+# (shards, model card, tokenizer copy, seed, multi-GPU, writer threads).
+ANALYZE_OPTIONS = frozenset(
+    {
+        "allow_crimes",
+        "unsafe_truncate_embeddings",
+        "transformers_cache",
+        "lora_merge_cache",
+        "lora_merge_dtype",
+        "trust_remote_code",
+        "lazy_unpickle",
+        "cuda",
+        "device",
+        "low_cpu_memory",
+        "read_to_gpu",
+        "num_threads",
+        "verbosity",
+        "quiet",
+    }
+)
+
+
+def _analyze_options_only(command: click.Command) -> click.Command:
+    """`command` without the merge options analyze would ignore: an option it
+    accepts is one it uses, and any other is a usage error."""
+    ignored = set(MergeOptions.model_fields) - ANALYZE_OPTIONS
+    command.params = [p for p in command.params if p.name not in ignored]
+    return command
+
+
+@_analyze_options_only
 @main.command("analyze", cls=PrettyPrintHelp)
 @click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
 @click.option(
