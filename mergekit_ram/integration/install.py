@@ -71,11 +71,13 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section to mergekit's model card, and keep its
-    hub lookup from failing a finished RAM merge offline."""
+    """Add the RAM+ statistics section to mergekit's model card, list a RAM
+    merge's models in the configuration's order, and keep the card's hub
+    lookup from failing a finished RAM merge offline."""
     from mergekit_ram.integration.context import current_run
+    from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.planner import statistics_for_card
-    from mergekit_ram.integration.results import card_section
+    from mergekit_ram.integration.results import card_section, in_config_order
 
     original = getattr(merge, "generate_card", None)
     if not callable(original):
@@ -101,6 +103,8 @@ def patch_card(merge: ModuleType) -> None:
             return False
 
     def generate_card(config, config_yaml, name=None):
+        if is_ours(config.merge_method):
+            config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
         run = current_run()
         for path in dict.fromkeys(run.unlinked if run is not None else ()):

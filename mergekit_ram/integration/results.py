@@ -1,4 +1,5 @@
-"""What a RAM+ merge leaves behind: ram_statistics.json and the model-card section."""
+"""What a RAM+ merge leaves behind: ram_statistics.json and the model card
+(its RAM+ section, and its model list in the configuration's order)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from mergekit.common import ModelReference
+from mergekit.config import MergeConfiguration
+
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.integration.config_groups import groups
+from mergekit_ram.integration.model_locations import model_references
 from mergekit_ram.integration.tables import markdown_table, percent
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -79,6 +85,20 @@ def strict_json(value: Any) -> Any:
     return value
 
 
+# What the card's columns are shares of, one line each (Markdown list).
+CARD_LEGEND = (
+    "- *changed*: the parameters the agent changes (|θ_t − θ₀| > epsilon), "
+    "as a share of all the parameters (elements) counted above.",
+    "- *unique* / *shared*: shares of that agent's own changes that no other "
+    "agent makes / that at least one other agent makes too.",
+    "- *ρ = S/U*: its shared changes per unique one; *λ*: the factor RAM+ "
+    "multiplies its unique changes by.",
+    "- *λ survives*: the share of the agent's λ-scaled unique elements whose "
+    "written value, rounded to the output dtype, still differs from plain RAM's "
+    "(λ = 1); – when none was scaled.",
+)
+
+
 def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,
@@ -97,8 +117,8 @@ def card_section(
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
         f"r = {settings.r:g}, alpha = {settings.alpha:g}, "
         f"{settings.saturation} rule) over {stats.num_tensors} tensors and "
-        f"{stats.num_elements:,} elements, computed by "
-        "[mergekit-ram](https://pypi.org/project/mergekit-ram/). "
+        f"{stats.num_elements:,} elements, computed by mergekit-ram (a plugin "
+        "for mergekit, installed from its repository; not on PyPI). "
         f"Full counts are in `{STATISTICS_FILE}`.",
         "",
     ]
@@ -119,6 +139,25 @@ def card_section(
         )
     headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ", "λ survives"]
     lines += markdown_table(headers, rows)
+    lines += ["", *CARD_LEGEND]
     if survival is not None and survival.lost():
         lines += ["", survival.warning()]
     return "\n".join(lines) + "\n"
+
+
+class _InConfigOrder(MergeConfiguration):
+    """A configuration whose referenced_models() follows the configuration."""
+
+    def referenced_models(self) -> list[ModelReference]:
+        found = model_references(self, groups(self))
+        position = {reference: index for index, (_, reference) in enumerate(found)}
+        return sorted(
+            super().referenced_models(), key=lambda m: position.get(m, len(position))
+        )
+
+
+def in_config_order(config: MergeConfiguration) -> MergeConfiguration:
+    """`config` as mergekit's card should see it: the card lists
+    referenced_models(), a set in mergekit, so its model list (and its
+    `base_model` metadata) changed order from run to run."""
+    return _InConfigOrder.model_construct(**dict(config))
