@@ -48,6 +48,8 @@ TASK_KEYS = {
     "overlap_histogram": list,
     "rho": (float, int, type(None)),
     "scale": (float, int),
+    "rescaled": (int, type(None)),
+    "rescale_survived": (int, type(None)),
     # ... and the report's additions.
     "label": str,
     "scale_explicit": bool,
@@ -69,6 +71,7 @@ TOP_KEYS = {
     "num_elements": int,
     "seconds": (float, int),
     "tasks": list,
+    "written_dtypes": (list, type(None)),
     "pairwise": dict,
     "per_module": list,
     "per_layer": list,
@@ -134,6 +137,25 @@ def without_timing(document: dict) -> dict:
     return {k: v for k, v in document.items() if k != "seconds"}
 
 
+SURVIVAL = ("rescaled", "rescale_survived")
+
+
+def without_survival(document: dict) -> dict:
+    """A report or ram_statistics.json without what only a merge knows: how
+    much of λ survived the written dtype (analyze writes it as null)."""
+    tasks = [
+        {k: v for k, v in t.items() if k not in SURVIVAL} for t in document["tasks"]
+    ]
+    rest = {k: v for k, v in document.items() if k != "written_dtypes"}
+    return {**rest, "tasks": tasks}
+
+
+def survival(document: dict) -> tuple:
+    return document["written_dtypes"], [
+        [t[k] for k in SURVIVAL] for t in document["tasks"]
+    ]
+
+
 @pytest.fixture(scope="module")
 def analyzed(models, tmp_path_factory):
     """`mergekit-ram analyze` on the ramplus config, with --out and an r sweep."""
@@ -142,6 +164,19 @@ def analyzed(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("analyze-out")
     output = invoke("analyze", config, "--out", out, "--quiet", "--r", "0,0.05,0.1,0.2")
     return config, out, output, read(out / REPORT_JSON)
+
+
+@pytest.fixture(scope="module")
+def merged(models, tmp_path_factory):
+    """`mergekit-ram merge --report` on the ramplus config: (its
+    ram_statistics.json, its report.json)."""
+    root, paths = models
+    out = tmp_path_factory.mktemp("merge-report")
+    config = write_config(root, paths, "ramplus")
+    invoke("merge", config, out / "merged", "--report", out / "report", "--quiet")
+    return read(out / "merged" / "ram_statistics.json"), read(
+        out / "report" / REPORT_JSON
+    )
 
 
 def test_counts_equal_dense_reference(analyzed, dense):
@@ -398,7 +433,7 @@ def check_type(value, types, where):
         assert not isinstance(value, bool), where
 
 
-def test_report_json_schema(analyzed, models, tmp_path):
+def test_report_json_schema(analyzed, merged):
     _config, out, _output, report = analyzed
     assert list(report) == list(TOP_KEYS)
     for key, types in TOP_KEYS.items():
@@ -440,28 +475,79 @@ def test_report_json_schema(analyzed, models, tmp_path):
     for entry in report["sweep"]:
         assert set(entry) == {"r", "scale", "scale_tensor_local"}
         assert set(entry["scale"]) == {t["model"] for t in report["tasks"]}
-    # Same field names as ram_statistics.json (produced by a real merge).
-    root, paths = models
-    merged = tmp_path / "merged"
-    invoke("merge", write_config(root, paths, "ramplus"), merged, "--quiet")
-    statistics = merge_counts(read(merged / "ram_statistics.json"))
+    # ram_statistics.json's fields are report fields with the same values;
+    # only a merge counts λ's survival (analyze: null, merge --report: counts).
+    statistics, merge_report = merged
     assert set(statistics) <= set(report)
     assert set(statistics["tasks"][0]) <= set(report["tasks"][0])
-    for ours, theirs in zip(report["tasks"], statistics["tasks"]):
+    for ours, theirs in zip(report["tasks"], without_survival(statistics)["tasks"]):
         assert {k: ours[k] for k in theirs} == theirs
-    # The documented schema names every field.
-    doc = (Path(__file__).parent.parent / "docs" / "report_schema.md").read_text(
-        encoding="utf-8"
+    assert report["written_dtypes"] is None
+    assert all(t[k] is None for t in report["tasks"] for k in SURVIVAL)
+    assert survival(merge_report) == survival(statistics)
+    assert sum(t["rescaled"] for t in statistics["tasks"]) > 0
+
+
+SCHEMA = Path(__file__).parent.parent / "docs" / "report_schema.md"
+
+
+def schema_tables() -> tuple[dict[str, dict[str, str]], dict[str, set[str]]]:
+    """docs/report_schema.md's tables: report.json's {object path: {field:
+    type}} ("" the top level, `tasks[]` each element of `tasks`) and
+    ram_statistics.json's {object path: fields}."""
+    report: dict[str, dict[str, str]] = {}
+    statistics: dict[str, set[str]] = {}
+    header = None
+    for line in SCHEMA.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        names = re.findall(r"`([^`]+)`", cells[0])
+        if header is None:
+            header = cells[0]
+        elif set(cells[0]) <= set("-"):
+            continue
+        elif header == "object":
+            path = names[0] if names else ""
+            statistics[path] = set(re.findall(r"`([^`]+)`", cells[1]))
+        elif header.startswith("field"):
+            paths = re.findall(r"`([^`]+)`", header) or [""]
+            pairs = zip(paths, names) if len(names) == len(paths) > 1 else None
+            for path, name in pairs or ((p, n) for p in paths for n in names):
+                report.setdefault(path, {})[name] = cells[1]
+    return report, statistics
+
+
+def object_fields(value, tables, path="", found=None) -> dict[str, set[str]]:
+    """Every object's fields in a real document, by path as in schema_tables;
+    an object documented as a map (`object (model → ...)`) is a value."""
+    found = {} if found is None else found
+    if isinstance(value, dict):
+        found.setdefault(path, set()).update(value)
+        for key, item in value.items():
+            if "→" not in tables.get(path, {}).get(key, ""):
+                object_fields(item, tables, f"{path}.{key}".lstrip("."), found)
+    elif isinstance(value, list):
+        for item in value:
+            object_fields(item, tables, f"{path}[]", found)
+    return found
+
+
+def test_schema_document_matches_real_files(analyzed, merged):
+    tables, statistics_tables = schema_tables()
+    documented = {path: set(fields) for path, fields in tables.items()}
+    assert {"", "tasks[]", "retention.ramplus", "per_layer[].tasks[]"} <= set(
+        documented
     )
-    for key in [
-        *TOP_KEYS,
-        *TASK_KEYS,
-        *LOCAL_KEYS,
-        *PAIR_KEYS,
-        *RETENTION_KEYS,
-        *METHODS,
-    ]:
-        assert f"`{key}`" in doc, key
+    # analyze's report (with an r sweep) has every object of the schema.
+    assert object_fields(analyzed[3], tables) == documented
+    statistics, merge_report = merged
+    for path, fields in object_fields(merge_report, tables).items():
+        assert fields == documented[path], path
+    assert object_fields(statistics, tables) == statistics_tables
+    for path, fields in statistics_tables.items():
+        assert fields <= documented[path], path
 
 
 def test_cli_output_and_files(analyzed):
@@ -577,18 +663,6 @@ def pass_counter(monkeypatch):
     return calls
 
 
-def merge_counts(statistics: dict) -> dict:
-    """ram_statistics.json without what only a merge knows: how much of λ
-    survived the written dtype (analyze writes nothing)."""
-    assert {"rescaled", "rescale_survived"} <= set(statistics["tasks"][0])
-    tasks = [
-        {k: v for k, v in t.items() if k not in ("rescaled", "rescale_survived")}
-        for t in statistics["tasks"]
-    ]
-    rest = {k: v for k, v in statistics.items() if k != "written_dtypes"}
-    return {**rest, "tasks": tasks}
-
-
 def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter):
     root, paths = models
     config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
@@ -603,11 +677,11 @@ def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter
 
     invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
     assert len(pass_counter) == 2  # analyze: one pass, the hook did not run one
-    assert without_timing(merged_report) == without_timing(
-        read(tmp_path / "ana" / "report.json")
+    assert without_timing(without_survival(merged_report)) == without_timing(
+        without_survival(read(tmp_path / "ana" / "report.json"))
     )
     assert sorted(os.listdir(tmp_path / "rep")) == sorted(os.listdir(tmp_path / "ana"))
-    statistics = merge_counts(read(tmp_path / "merged" / "ram_statistics.json"))
+    statistics = read(tmp_path / "merged" / "ram_statistics.json")
     assert statistics["tasks"] == [
         {k: t[k] for k in statistics["tasks"][0]} for t in merged_report["tasks"]
     ]

@@ -30,6 +30,7 @@ from typing import Any
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import is_ours
@@ -50,9 +51,13 @@ class Analysis:
     settings: MergeSettings
     stats: OverlapStatistics
     scales: dict[Hashable, float]
+    # How much of λ survived the written dtype: only a merge counts it.
+    survival: SurvivalTally | None = None
 
     @classmethod
-    def from_merge(cls, config: Any, result: tuple) -> Analysis:
+    def from_merge(
+        cls, config: Any, result: tuple, survival: SurvivalTally | None
+    ) -> Analysis:
         """From the (settings, statistics, scales) a RAM+ merge computed."""
         settings, stats, scales = result
         base = config.base_model
@@ -62,6 +67,7 @@ class Analysis:
             settings,
             stats,
             dict(scales),
+            survival,
         )
 
 
@@ -181,7 +187,8 @@ def merge_with_analysis(
 
     A merge that ran the statistics pass hands its counts over; one that
     needed none (RAM, tensor scope, explicit λ, another method) is analysed
-    with one more read of the models, and `echo` says which happened.
+    with one more read of the models, and `echo` says which happened. Either
+    way the analysis carries the merge's survival tally, if it kept one.
     """
     from mergekit_ram.commands.api import run_merge
 
@@ -191,10 +198,11 @@ def merge_with_analysis(
     result = run.result
     if result is not None:
         echo("Report from the statistics this merge computed (no extra pass).")
-        return require_task_vectors(Analysis.from_merge(config, result))
+        return require_task_vectors(Analysis.from_merge(config, result, run.tally))
     echo(
         "This merge needed no whole-model statistics pass (RAM with r = 0, "
         "statistics: tensor, explicit unique_scale or another method); "
         "reading the models once more for the report."
     )
-    return analyze_config(config, options)
+    analysis = analyze_config(config, options)
+    return dataclasses.replace(analysis, survival=run.tally)

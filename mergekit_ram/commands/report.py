@@ -20,7 +20,7 @@ from mergekit_ram.core.regime import (
     retentions,
 )
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.integration.results import statistics_document
+from mergekit_ram.integration.results import statistics_document, with_survival
 
 SCHEMA_VERSION = 1
 
@@ -220,7 +220,9 @@ def build_report(
     settings, stats, scales = analysis.settings, analysis.stats, analysis.scales
     rule = settings.rule
     ids = list(stats.tasks)
-    document = statistics_document(settings, stats, scales)
+    document = with_survival(
+        statistics_document(settings, stats, scales), analysis.survival
+    )
     rule_scales = stats.scales(rule)
     labels = labels_for([str(i) for i in ids])
     explicit = {

@@ -60,16 +60,21 @@ def statistics_document(
     }
 
 
-def with_survival(document: dict[str, Any], tally: SurvivalTally) -> dict[str, Any]:
+def with_survival(
+    document: dict[str, Any], tally: SurvivalTally | None
+) -> dict[str, Any]:
     """ram_statistics.json's content plus, per task, how many unique elements
     were rescaled (λ ≠ 1) and how many of them still differ from RAM once
-    written (`rescale_survived`); both 0 when nothing was rescaled."""
-    counts = {str(task): entry for task, entry in tally.counts.items()}
+    written (`rescale_survived`); both 0 when nothing was rescaled. With no
+    tally nothing was counted (analyze merges nothing; a merge whose λ are all
+    1 rescales nothing) and the fields are null, for report.json."""
+    counts = {} if tally is None else {str(t): e for t, e in tally.counts.items()}
+    missing = (None, None) if tally is None else (0, 0)
     for row in document["tasks"]:
-        rescaled, survived = counts.get(row["model"], (0, 0))
+        rescaled, survived = counts.get(row["model"], missing)
         row["rescaled"] = rescaled
         row["rescale_survived"] = survived
-    document["written_dtypes"] = sorted(tally.dtypes)
+    document["written_dtypes"] = None if tally is None else sorted(tally.dtypes)
     return document
 
 
