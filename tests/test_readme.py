@@ -117,7 +117,8 @@ def test_statistics_example_is_the_demo_coder_row(repository):
     (example,) = [b for b in fenced(outputs, "json") if '"overlap_histogram"' in b]
     shown = json.loads(example)
     real = json.loads((repository / "merged" / "ram_statistics.json").read_text())
-    for key in ("epsilon", "r", "alpha", "saturation", "statistics"):
+    assert shown.keys() == real.keys()
+    for key in ("epsilon", "r", "alpha", "saturation", "statistics", "written_dtypes"):
         assert shown[key] == real[key], key
     assert (shown["num_tensors"], shown["num_elements"]) == (
         real["num_tensors"],
@@ -125,8 +126,10 @@ def test_statistics_example_is_the_demo_coder_row(repository):
     )
     (row,) = shown["tasks"]
     first = real["tasks"][0]
-    for key in ("model", "elements", "changed", "shared", "unique"):
+    assert row.keys() == first.keys()
+    for key in ("model", "elements", "changed", "shared", "unique", "rescaled"):
         assert row[key] == first[key], key
+    assert row["rescale_survived"] == first["rescale_survived"]
     assert row["overlap_histogram"] == first["overlap_histogram"]
     assert row["rho"] == round(first["rho"], 2)
     assert row["scale"] == first["scale"]
