@@ -8,12 +8,17 @@ each under `/usr/bin/time -v`:
   stock ram, stock ramplus_tl, stock task_arithmetic   (MERGEKIT_RAM_AUTOLOAD=0)
   our ram, our ramplus (global statistics), our ramplus statistics: tensor
 
-and writes a markdown table of median wall time, median peak RSS and their
-ratios to stock `ram` (stock `ram` is replaced by ours when our autoload hook
-is on, so stock runs switch it off). Nothing is downloaded.
+and writes a markdown table of median wall time, median peak RSS, median
+bytes read from disk and their ratios to stock `ram` (stock `ram` is replaced
+by ours when our autoload hook is on, so stock runs switch it off). Nothing is
+downloaded. Before building, it checks that the work folder has room for the
+models and one merge output. `--drop-caches` (root) empties the page cache
+before every run, so each starts cold, as on inputs larger than memory.
 
     python benchmarks/speed.py --sizes 135m 1b --rounds 3
     python benchmarks/speed.py --sizes 135m --agents 6 --rounds 3
+    python benchmarks/speed.py --sizes 3b --rounds 3 --workdir /big/disk \
+        --drop-caches --methods 'stock ram' 'our ram' 'our ramplus (global)'
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     "135m": (576, 1536, 30, 9, 3, 49152),
     # Llama-3.2-1B's body with a 32k vocabulary, untied (1.1 B parameters).
     "1b": (2048, 8192, 16, 32, 8, 32000),
+    # Llama-3.2-3B's body and vocabulary, untied (3.6 B parameters, 7.2 GB a
+    # model in bf16): base + 3 agents exceed a 24 GB machine's memory.
+    "3b": (3072, 8192, 28, 24, 8, 128256),
 }
 
 # Fractions of elements each agent changes (the paper's 3.2 / 46.2 / 54.3 %),
@@ -56,6 +64,15 @@ METHODS: dict[str, tuple[str, dict, bool]] = {
 }
 BASELINE = "stock ram"
 
+# Bytes per element of the bf16 checkpoints and merge outputs.
+BF16_BYTES = 2
+# Free disk kept beyond the models and one output: configs, tokenizers and
+# room for the file system.
+DISK_MARGIN = 2_000_000_000
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+# /usr/bin/time's "File system inputs" (Linux ru_inblock) count 512-byte blocks.
+BLOCK_BYTES = 512
+
 
 @dataclass(frozen=True)
 class Run:
@@ -63,6 +80,7 @@ class Run:
     rss: int  # peak resident set, kilobytes
     user: float
     system: float
+    read: int  # bytes read from disk (page-cache hits are not counted)
 
 
 def parameter_count(size: str) -> int:
@@ -74,6 +92,55 @@ def parameter_count(size: str) -> int:
         + hidden
         + layers * (attention + 3 * hidden * inter + 2 * hidden)
     )
+
+
+def disk_needed(sizes: Sequence[str], agents: Sequence[int], root: str) -> int:
+    """Bytes the run writes under root: models not built yet, one output, margin."""
+    models = sum(
+        parameter_count(size) * BF16_BYTES * (1 + count)
+        for size in sizes
+        for count in agents
+        if not os.path.exists(os.path.join(root, f"{size}-{count}", "complete"))
+    )
+    largest = max(parameter_count(size) for size in sizes) * BF16_BYTES
+    return models + largest + DISK_MARGIN
+
+
+def disk_problem(folder: str, needed: int) -> str | None:
+    """Why `folder` cannot hold `needed` bytes (None: it can), in one paragraph."""
+    free = shutil.disk_usage(folder).free
+    if free >= needed:
+        return None
+    return (
+        f"Not enough free disk in {folder}: this benchmark needs about "
+        f"{needed / 1e9:.1f} GB there (the models it builds, one merge output "
+        f"and {DISK_MARGIN / 1e9:.0f} GB of margin) but {free / 1e9:.1f} GB is "
+        "free. Pass --workdir with a folder on a disk with more room; the "
+        "models built there are kept and reused by later runs."
+    )
+
+
+def drop_caches_problem() -> str | None:
+    """Why --drop-caches cannot work here (None: it can), checked before any run."""
+    if os.geteuid() != 0:
+        return (
+            f"--drop-caches writes to {DROP_CACHES}, which only root may do; "
+            "run as root or leave the flag out."
+        )
+    if not os.access(DROP_CACHES, os.W_OK):
+        return (
+            f"--drop-caches cannot write to {DROP_CACHES} (a read-only /proc/sys, "
+            "as in most containers); run on a host that allows it or leave the "
+            "flag out."
+        )
+    return None
+
+
+def drop_caches() -> None:
+    """Write dirty pages back, then empty the page cache (the next run starts cold)."""
+    os.sync()
+    with open(DROP_CACHES, "w") as handle:
+        handle.write("1\n")
 
 
 def agent_densities(count: int) -> list[float]:
@@ -204,7 +271,8 @@ def config_yaml(method: str, parameters: dict, paths: dict[str, str]) -> str:
 
 
 def parse_time_v(text: str) -> Run:
-    """Wall, peak RSS, user and system time from `/usr/bin/time -v` output."""
+    """Wall, peak RSS, user and system time and bytes read from disk, from
+    `/usr/bin/time -v` output (it counts the merge's child processes too)."""
 
     def field(label: str) -> str:
         match = re.search(rf"^\s*{re.escape(label)}: (.+)$", text, re.MULTILINE)
@@ -224,6 +292,7 @@ def parse_time_v(text: str) -> Run:
         rss=int(field("Maximum resident set size (kbytes)")),
         user=float(field("User time (seconds)")),
         system=float(field("System time (seconds)")),
+        read=int(field("File system inputs")) * BLOCK_BYTES,
     )
 
 
@@ -253,21 +322,32 @@ def run_once(name: str, paths: dict[str, str], workdir: str, cuda: bool) -> Run:
     return parse_time_v(done.stderr)
 
 
+def ratio(value: float, base: float) -> str:
+    """value ÷ base as the table shows it; "–" where the base is 0 (a stock
+    run that read nothing from disk, its inputs all in the page cache)."""
+    return f"{value / base:.2f}×" if base else "–"
+
+
 def table(results: dict[str, list[Run]]) -> list[str]:
-    """Markdown rows: median wall, median peak RSS and ratios to the baseline."""
-    base_wall = statistics.median(r.wall for r in results[BASELINE])
-    base_rss = statistics.median(r.rss for r in results[BASELINE])
+    """Markdown rows: median wall, peak RSS and bytes read, and their ratios
+    to the baseline."""
+    base = results[BASELINE]
+    base_wall = statistics.median(r.wall for r in base)
+    base_rss = statistics.median(r.rss for r in base)
+    base_read = statistics.median(r.read for r in base)
     lines = [
         "| method | wall s (median) | ÷ stock ram | peak RSS GB | ÷ stock ram "
-        "| user s | system s |",
-        "|---|---|---|---|---|---|---|",
+        "| read GB | ÷ stock ram | user s | system s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in results.items():
         wall = statistics.median(r.wall for r in runs)
         rss = statistics.median(r.rss for r in runs)
+        read = statistics.median(r.read for r in runs)
         lines.append(
-            f"| {name} | {wall:.1f} | {wall / base_wall:.2f}× | "
-            f"{rss / 1e6:.2f} | {rss / base_rss:.2f}× | "
+            f"| {name} | {wall:.1f} | {ratio(wall, base_wall)} | "
+            f"{rss / 1e6:.2f} | {ratio(rss, base_rss)} | "
+            f"{read / 1e9:.2f} | {ratio(read, base_read)} | "
             f"{statistics.median(r.user for r in runs):.1f} | "
             f"{statistics.median(r.system for r in runs):.1f} |"
         )
@@ -290,18 +370,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp folder")
     parser.add_argument("--output", help="also write the markdown here")
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help=f"sync and write 1 to {DROP_CACHES} before every run, so each "
+        "starts with a cold page cache (root only)",
+    )
     args = parser.parse_args(argv)
     methods = list(dict.fromkeys([BASELINE, *args.methods]))
     os.environ["HF_HUB_OFFLINE"] = "1"
+    problem = drop_caches_problem() if args.drop_caches else None
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
     workdir = args.workdir or tempfile.mkdtemp(prefix="ram-speed-")
+    problem = disk_problem(workdir, disk_needed(args.sizes, args.agents, workdir))
+    if problem:
+        print(problem, file=sys.stderr)
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 2
     # Configs and merge outputs go to a folder of our own, whatever is there.
     scratch = tempfile.mkdtemp(prefix="runs-", dir=workdir)
+    cold = ", page cache dropped before every run" if args.drop_caches else ""
     report = [
         f"`python benchmarks/speed.py {shlex.join(argv or sys.argv[1:])}` "
         f"({os.cpu_count()} CPUs{', --cuda' if args.cuda else ''}); medians of "
-        f"{args.rounds} interleaved rounds, `dtype: bfloat16`.",
+        f"{args.rounds} interleaved rounds, `dtype: bfloat16`{cold}.",
     ]
     try:
         for size in args.sizes:
@@ -311,11 +408,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results: dict[str, list[Run]] = {m: [] for m in methods}
                 for round_index in range(args.rounds):
                     for name in methods:
+                        if args.drop_caches:
+                            drop_caches()
                         run = run_once(name, paths, scratch, args.cuda)
                         results[name].append(run)
                         print(
                             f"{size} x{agents} round {round_index + 1} {name:<24} "
-                            f"{run.wall:7.1f} s {run.rss / 1e6:6.2f} GB",
+                            f"{run.wall:7.1f} s {run.rss / 1e6:6.2f} GB "
+                            f"{run.read / 1e9:6.2f} GB read",
                             flush=True,
                         )
                 report += [

@@ -1,8 +1,10 @@
-"""benchmarks/speed.py: its pure helpers, and (slow) one tiny end-to-end run."""
+"""benchmarks/speed.py: its helpers, main with the merges stubbed out, and (slow)
+one tiny end-to-end run."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from math import prod
 
@@ -17,20 +19,26 @@ TIME_V = """\
 \tSystem time (seconds): 1.25
 \tElapsed (wall clock) time (h:mm:ss or m:ss): 1:02.50
 \tMaximum resident set size (kbytes): 2345678
+\tFile system inputs: 2000000
+\tFile system outputs: 16
 \tExit status: 0
 """
+GB = 1_000_000_000
 
 
-def test_parse_time_v_reads_wall_rss_user_system():
+def test_parse_time_v_reads_wall_rss_user_system_and_bytes_read():
     run = speed.parse_time_v(TIME_V)
-    assert run == speed.Run(wall=62.5, rss=2345678, user=12.5, system=1.25)
+    # File system inputs are 512-byte blocks: 2,000,000 of them are 1.024 GB.
+    expected = speed.Run(wall=62.5, rss=2345678, user=12.5, system=1.25, read=1.024e9)
+    assert run == expected
     hours = TIME_V.replace("1:02.50", "1:00:01")
     assert speed.parse_time_v(hours).wall == 3601.0
 
 
-def test_parse_time_v_refuses_output_without_the_fields():
-    with pytest.raises(ValueError, match="Maximum resident"):
-        speed.parse_time_v(TIME_V.replace("Maximum resident", "Max resident"))
+@pytest.mark.parametrize("label", ["Maximum resident", "File system inputs"])
+def test_parse_time_v_refuses_output_without_the_fields(label):
+    with pytest.raises(ValueError, match=label):
+        speed.parse_time_v(TIME_V.replace(label, "Something else"))
 
 
 @pytest.mark.parametrize("size", list(speed.SIZES))
@@ -44,6 +52,44 @@ def test_named_sizes_are_what_they_say():
     assert speed.parameter_count("1b") >= 1e9
 
 
+def test_3b_is_llama_3_2_3b_with_an_untied_head():
+    hidden, vocab, layers = 3072, 128256, 28
+    q_o = 2 * hidden * hidden  # 24 heads of 128
+    k_v = 2 * hidden * 8 * 128  # 8 key/value heads of 128
+    mlp = 3 * hidden * 8192
+    norms = 2 * hidden
+    per_layer = q_o + k_v + mlp + norms  # 100,669,440
+    embed_and_head = 2 * vocab * hidden
+    assert speed.parameter_count("3b") == (embed_and_head + layers * per_layer + hidden)
+    assert speed.parameter_count("3b") == 3_606_752_256
+    # Llama-3.2-3B ties its head: 3.21 B without it.
+    assert speed.parameter_count("3b") - vocab * hidden == 3_212_749_824
+    # Base + 3 agents in bf16 exceed a 24 GB machine's memory.
+    assert 4 * speed.BF16_BYTES * speed.parameter_count("3b") > 24 * GB
+
+
+def test_disk_needed_counts_models_not_built_yet_one_output_and_margin(tmp_path):
+    model = speed.BF16_BYTES * speed.parameter_count("small")
+    tiny = speed.BF16_BYTES * speed.parameter_count("tiny")
+    needed = speed.disk_needed(["tiny", "small"], [3], str(tmp_path))
+    assert needed == 4 * tiny + 4 * model + model + speed.DISK_MARGIN
+    (tmp_path / "small-3").mkdir()
+    (tmp_path / "small-3" / "complete").touch()
+    needed = speed.disk_needed(["tiny", "small"], [3], str(tmp_path))
+    assert needed == 4 * tiny + model + speed.DISK_MARGIN
+
+
+def test_disk_problem_says_folder_need_free_and_the_fix(monkeypatch, tmp_path):
+    usage = shutil._ntuple_diskusage(total=100 * GB, used=88 * GB, free=12 * GB)
+    monkeypatch.setattr(speed.shutil, "disk_usage", lambda folder: usage)
+    message = speed.disk_problem(str(tmp_path), 38_100_000_000)
+    assert str(tmp_path) in message
+    assert "38.1 GB" in message and "12.0 GB is free" in message
+    assert "--workdir" in message
+    assert "\n" not in message
+    assert speed.disk_problem(str(tmp_path), 12 * GB) is None
+
+
 def test_agent_densities_start_with_the_papers_and_stay_below_one():
     assert speed.agent_densities(3) == list(speed.DENSITIES)
     six = speed.agent_densities(6)
@@ -53,12 +99,68 @@ def test_agent_densities_start_with_the_papers_and_stay_below_one():
 
 def test_table_reports_ratios_to_stock_ram():
     runs = {
-        speed.BASELINE: [speed.Run(10, 1000, 1, 1), speed.Run(12, 3000, 1, 1)],
-        "our ram": [speed.Run(5.5, 1000, 1, 1)],
+        speed.BASELINE: [
+            speed.Run(10, 1000, 1, 1, 20 * GB),
+            speed.Run(12, 3000, 1, 1, 30 * GB),
+        ],
+        "our ram": [speed.Run(5.5, 1000, 1, 1, 50 * GB)],
     }
     lines = speed.table(runs)
-    assert "| stock ram | 11.0 | 1.00× |" in lines[2]
-    assert "| our ram | 5.5 | 0.50× | 0.00 | 0.50× |" in lines[3]
+    assert lines[0].startswith("| method | wall s (median) | ÷ stock ram ")
+    assert "| peak RSS GB | ÷ stock ram | read GB | ÷ stock ram |" in lines[0]
+    assert lines[1].count("---") == lines[0].count("|") - 1
+    assert "| stock ram | 11.0 | 1.00× | 0.00 | 1.00× | 25.00 | 1.00× |" in lines[2]
+    assert "| our ram | 5.5 | 0.50× | 0.00 | 0.50× | 50.00 | 2.00× |" in lines[3]
+
+
+def test_table_ratio_to_nothing_read_is_a_dash():
+    runs = {speed.BASELINE: [speed.Run(10, 1000, 1, 1, 0)]}
+    runs["our ram"] = [speed.Run(5, 1000, 1, 1, GB)]
+    assert "| 1.00 | – |" in speed.table(runs)[3]
+
+
+def test_drop_caches_refused_before_anything_is_built(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(speed.os, "geteuid", lambda: 1000)
+    code = speed.main(["--sizes", "tiny", "--workdir", str(tmp_path), "--drop-caches"])
+    assert code == 2
+    assert "only root" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_disk_stops_before_building(monkeypatch, tmp_path, capsys):
+    usage = shutil._ntuple_diskusage(total=GB, used=GB, free=0)
+    monkeypatch.setattr(speed.shutil, "disk_usage", lambda folder: usage)
+    code = speed.main(["--sizes", "tiny", "--workdir", str(tmp_path)])
+    assert code == 2
+    assert "--workdir" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_caches_dropped_before_every_run(monkeypatch, tmp_path):
+    events = []
+
+    def run_once(name, paths, workdir, cuda):
+        events.append(name)
+        return speed.Run(1.0, 1000, 1.0, 1.0, 2 * GB if "ramplus" in name else GB)
+
+    monkeypatch.setattr(speed, "drop_caches_problem", lambda: None)
+    monkeypatch.setattr(speed, "drop_caches", lambda: events.append("drop"))
+    monkeypatch.setattr(speed, "build_models", lambda *a: {"base": "b", "x": "x"})
+    monkeypatch.setattr(speed, "run_once", run_once)
+    output = tmp_path / "table.md"
+    methods = ["our ramplus (global)"]
+    code = speed.main(
+        ["--sizes", "tiny", "--rounds", "2", "--workdir", str(tmp_path)]
+        + ["--drop-caches", "--methods", *methods, "--output", str(output)]
+    )
+    assert code == 0
+    pair = ["drop", speed.BASELINE, "drop", methods[0]]
+    assert events == pair + pair
+    text = output.read_text()
+    assert "page cache dropped before every run" in text
+    assert (
+        "| our ramplus (global) | 1.0 | 1.00× | 0.00 | 1.00× | 2.00 | 2.00× |" in text
+    )
 
 
 def test_task_arithmetic_config_carries_weights_and_ours_do_not():

@@ -258,3 +258,38 @@ def test_ignore_counts_nonfinite_task_elements_as_unchanged():
         finite_inputs(
             "embed", "b", base["embed"], {"math": poisoned[0]["embed"]}, "refuse"
         )
+
+
+# --- order (OverlapStatistics.in_order) -------------------------------------------
+
+
+def test_counted_in_any_order_then_put_in_order_equals_counted_in_order():
+    base, tasks = state_dicts(PROFILES, seed=9)
+    # "head" (last) lacks two tasks, so counting it first changes the task order.
+    present = {name: IDS for name in base} | {"head": IDS[2:]}
+
+    def counted(names):
+        stats = OverlapStatistics(epsilon=EPSILON, inner_products=True)
+        for name in names:
+            inputs = {i: t[name] for i, t in zip(IDS, tasks) if i in present[name]}
+            stats.add(name, base[name], inputs)
+        return stats
+
+    forward = counted(list(PROFILES))
+    backward = counted(reversed(PROFILES))
+    assert list(backward.tasks) != IDS  # what in_order has to undo
+    backward.in_order(["not counted", *PROFILES])
+    assert backward == forward
+    assert list(backward.tasks) == list(forward.tasks) == IDS
+    assert list(backward.per_tensor) == list(backward.products) == list(PROFILES)
+    assert [list(c.intersections) for c in backward.tasks.values()] == [
+        list(c.intersections) for c in forward.tasks.values()
+    ]
+
+
+def test_in_order_refuses_an_order_without_every_counted_tensor():
+    base, tasks = state_dicts(PROFILES, seed=10)
+    stats = collected(base, tasks)
+    with pytest.raises(ValueError, match=r"\['head', 'layer.0.bias'\]"):
+        stats.in_order(["embed", "layer.0.weight"])
+    assert list(stats.per_tensor) == list(PROFILES)

@@ -1,9 +1,13 @@
-"""The statistics pass keeps about one tensor group in memory, not the model.
+"""The statistics pass: the order it walks the groups in, and its memory.
 
-Two families share their largest tensor (and every tensor shape) but differ
-eight-fold in depth. In a fresh interpreter each runs mergekit's planner with
-the real hook; the statistics pass (integration.statistics_pass.collect_planned)
-is wrapped to sample the process's anonymous resident memory while it runs.
+It walks the merge's groups backwards (reversed_groups), each right after
+the tasks it needs, and ends up with the statistics a forward pass counts.
+
+It keeps about one tensor group in memory, not the model. Two families share
+their largest tensor (and every tensor shape) but differ eight-fold in depth.
+In a fresh interpreter each runs mergekit's planner with the real hook; the
+statistics pass (integration.statistics_pass.collect_planned) is wrapped to
+sample the process's anonymous resident memory while it runs.
 
 Why anonymous memory: safetensors hands out tensors that are views of the
 memory-mapped checkpoint, so touched file pages count towards RSS (and
@@ -20,12 +24,125 @@ import json
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
-from conftest import TaskSpec, build_family
+from conftest import TaskSpec, build_family, merge_yaml, read_json
+from mergekit.graph import Executor, Task
 
-pytestmark = pytest.mark.slow
+import mergekit_ram.integration.statistics_pass as statistics_pass
+from mergekit_ram.integration.planner import RAMMergeTask
+
+# --- order --------------------------------------------------------------------
+
+EXECUTED: list[str] = []
+
+
+class Read(Task[int]):
+    """A load: its group is its name, and it runs before anything else in it."""
+
+    name: str
+
+    def arguments(self) -> dict[str, Task]:
+        return {}
+
+    def execute(self) -> int:
+        EXECUTED.append(self.name)
+        return len(self.name)
+
+    def group_label(self) -> str:
+        return self.name
+
+    def priority(self) -> int:
+        return -1000
+
+
+class Vocabulary(Task[int]):
+    """Shared by two groups, like mergekit's tokenizer task (no group)."""
+
+    def arguments(self) -> dict[str, Task]:
+        return {}
+
+    def execute(self) -> int:
+        EXECUTED.append("vocabulary")
+        return 100
+
+
+class Group(Task[int]):
+    name: str
+    shared: bool = False
+
+    def arguments(self) -> dict[str, Task]:
+        own = {"read": Read(name=self.name)}
+        return own | ({"vocabulary": Vocabulary()} if self.shared else {})
+
+    def execute(self, read: int, vocabulary: int = 0) -> int:
+        EXECUTED.append(f"group {self.name}")
+        return read + vocabulary
+
+    def group_label(self) -> str:
+        return self.name
+
+
+def test_reversed_groups_runs_targets_backwards_each_after_what_it_needs():
+    groups = [
+        Group(name="b"),
+        Group(name="a", shared=True),
+        Group(name="d"),
+        Group(name="c", shared=True),
+    ]
+    executor = Executor(targets=groups)
+    forward = [t.name for t, _ in executor.run(quiet=True)]
+    assert forward == ["a", "b", "c", "d"]  # mergekit's order: by group
+    EXECUTED.clear()
+    executor = Executor(targets=groups)
+    executor.schedule = statistics_pass.reversed_groups(
+        executor.schedule, executor.targets
+    )
+    results = {t.name: value for t, value in executor.run(quiet=True)}
+    assert list(results) == ["d", "c", "b", "a"]
+    assert results == {"a": 101, "b": 1, "c": 101, "d": 1}
+    assert EXECUTED == [
+        "d", "group d", "vocabulary", "c", "group c", "b", "group b", "a", "group a"
+    ]  # fmt: skip
+    # Each value is dropped right after its last use: a read with its group,
+    # the shared vocabulary with the last group that needs it.
+    schedule = executor.schedule
+    position = {h.task(): i for i, h in enumerate(schedule.tasks)}
+    last_use = {h.task(): schedule.last_use_index[h] for h in schedule.tasks}
+    for group in groups:
+        assert last_use[Read(name=group.name)] == position[group] == last_use[group]
+    assert last_use[Vocabulary()] == position[Group(name="a", shared=True)]
+
+
+def test_pass_reads_the_groups_in_the_reverse_of_the_merge(
+    model_family, tmp_path, monkeypatch
+):
+    family = model_family("pass-order", tokenizer=False)
+    counted: list[str] = []
+    merged: list[str] = []
+    count_task = statistics_pass._count_task
+    merge_execute = RAMMergeTask.execute
+
+    def count(stats: Any, task: Any, *args: Any) -> None:
+        counted.append(task.output_weight.name)
+        count_task(stats, task, *args)
+
+    def execute(self: RAMMergeTask, *args: Any, **kwargs: Any) -> Any:
+        merged.append(self.output_weight.name)
+        return merge_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(statistics_pass, "_count_task", count)
+    monkeypatch.setattr(RAMMergeTask, "execute", execute)
+    merge_yaml(family.yaml("ramplus"), tmp_path / "out")
+    assert len(merged) == len(family.state("base")) > 2
+    assert counted == merged[::-1]
+    statistics = read_json(tmp_path / "out" / "ram_statistics.json")
+    assert statistics["num_tensors"] == len(merged)
+
+
+# --- memory -------------------------------------------------------------------
 
 MEASURE = r"""
 import gc, json, sys, threading, time
@@ -143,6 +260,7 @@ def _measure(root):
     return families, results
 
 
+@pytest.mark.slow
 def test_statistics_pass_memory_follows_largest_group(measurements):
     families, results = measurements
     models = 1 + len(TASKS)

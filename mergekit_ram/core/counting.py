@@ -236,14 +236,38 @@ class OverlapStatistics:
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
             local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
-            total = self.tasks.setdefault(task_id, TaskCounts())
-            add_histogram(total.histogram, row)
-            total.elements += base.numel()
-            for other, value in shared_with.items():
-                total.intersections[other] = total.intersections.get(other, 0) + value
+            self._add_to_total(task_id, local[task_id])
         self.per_tensor[name] = local
         self.num_tensors += 1
         self.num_elements += base.numel()
+
+    def _add_to_total(self, task_id: Hashable, counts: TaskCounts) -> None:
+        """Add one tensor's counts of a task to its totals (add and in_order)."""
+        total = self.tasks.setdefault(task_id, TaskCounts())
+        add_histogram(total.histogram, counts.histogram)
+        total.elements += counts.elements
+        for other, value in counts.intersections.items():
+            total.intersections[other] = total.intersections.get(other, 0) + value
+
+    def in_order(self, names: Iterable[str]) -> None:
+        """Reorder as if the tensors had been added in `names`' order.
+
+        A pass may read its groups in any order (the statistics pass walks
+        the merge's backwards); per-tensor entries, inner products and the
+        task order (first appearance) then follow `names`, and the totals are
+        re-added in it, so whatever iterates them (the report's float sums
+        included) sees the same sequence. `names` must hold every tensor added.
+        """
+        order = [name for name in names if name in self.per_tensor]
+        missing = self.per_tensor.keys() - set(order)
+        if missing:
+            raise ValueError(f"tensors missing from the order: {sorted(missing)}")
+        self.per_tensor = {name: self.per_tensor[name] for name in order}
+        self.products = {n: self.products[n] for n in order if n in self.products}
+        self.tasks = {}
+        for local in self.per_tensor.values():
+            for task_id, counts in local.items():
+                self._add_to_total(task_id, counts)
 
     def scales(
         self,

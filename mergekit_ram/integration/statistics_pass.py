@@ -2,8 +2,10 @@
 
 `collect_planned` streams over the groups a planned merge will compute, so
 the global RAM+ scale sees exactly what the merge sees while only about one
-tensor group is resident at a time. The planner hook and `mergekit-ram
-analyze` both count through `count_planned`.
+tensor group is resident at a time. It walks them in the reverse of the
+merge's order (`reversed_groups`), so the pass ends on the inputs the merge
+starts with. The planner hook and `mergekit-ram analyze` both count through
+`count_planned`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from mergekit.graph import Executor
+from mergekit.graph import ExecutionSchedule, Executor, TaskHandle
 from mergekit.io.tasks import LoaderCache
 
 from mergekit_ram.core.checks import finite_inputs
@@ -39,6 +41,39 @@ def _count_task(
     base, inputs = group
     nonfinite = task.parameters.get("nonfinite", "refuse")
     stats.add(name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite))
+
+
+def reversed_groups(
+    schedule: ExecutionSchedule, targets: Sequence[TaskHandle]
+) -> ExecutionSchedule:
+    """`schedule` with its targets in reverse order, each right after the
+    tasks it needs that have not run yet (in their scheduled order).
+
+    mergekit schedules the pass's groups as it schedules the merge's (by
+    tensor name). Where the inputs exceed memory, a pass in the merge's order
+    ends with the merge's first inputs evicted from the page cache, and the
+    merge reads every byte from disk again; walked backwards, the pass's last
+    reads are the merge's first. Each value is still dropped after its last
+    use, so about one group stays resident.
+    """
+    position = {handle: index for index, handle in enumerate(schedule.tasks)}
+    order: list[TaskHandle] = []
+    placed: set[TaskHandle] = set()
+    for target in sorted(targets, key=position.__getitem__, reverse=True):
+        needed: list[TaskHandle] = []
+        pending = [target]
+        while pending:
+            handle = pending.pop()
+            if handle not in placed:
+                placed.add(handle)
+                needed.append(handle)
+                pending.extend(handle.arguments().values())
+        order += sorted(needed, key=position.__getitem__)
+    last_use = {handle: index for index, handle in enumerate(order)}
+    for index, handle in enumerate(order):
+        for argument in handle.arguments().values():
+            last_use[argument] = index
+    return ExecutionSchedule(tasks=order, last_use_index=last_use)
 
 
 def collect_planned(
@@ -72,10 +107,18 @@ def collect_planned(
         math_device=math_device,
         storage_device=torch.device(storage_device or "cpu"),
     )
+    targets = set(executor.targets)
+    forward = [h.task() for h in executor.schedule.tasks if h in targets]
+    executor.schedule = reversed_groups(executor.schedule, executor.targets)
     for gather, tensors in executor.run(quiet=quiet, desc=desc):
         for task in by_input[gather]:
             _count_task(stats, task, tensors, math_device)
         del tensors
+    # Counted backwards, kept in the merge's order: the same statistics as a
+    # forward pass, down to the order analyze's float sums run in.
+    stats.in_order(
+        task.output_weight.name for gather in forward for task in by_input[gather]
+    )
     # The pass's open shards keep every page it read mapped (and counted in
     # the process's resident memory) while the merge maps them again.
     LoaderCache().flush_all()
