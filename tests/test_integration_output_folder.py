@@ -147,22 +147,46 @@ def test_lock_is_exclusive_and_removed(tmp_path):
         pass
 
 
-def test_lock_works_without_fcntl(tmp_path, monkeypatch):
-    """Where fcntl does not exist (Windows) the module still locks and merges."""
-    taken = []
+NO_FCNTL = """
+import sys
+from pathlib import Path
 
-    class Msvcrt:
-        LK_NBLCK = 2
+sys.modules["fcntl"] = None  # as on Windows: `import fcntl` fails
+import mergekit_ram
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions
+from mergekit_ram.integration.output_folder import OutputError, locked
 
-        @staticmethod
-        def locking(handle: int, mode: int, size: int) -> None:
-            taken.append((mode, size))
+document = yaml.safe_load(Path(sys.argv[1]).read_text())
+config = MergeConfiguration.model_validate(document)
+mergekit_ram.run_merge(config, sys.argv[2], MergeOptions(quiet=True))
+with locked(sys.argv[2]):
+    try:
+        with locked(sys.argv[2]):
+            sys.exit("a second writer took the lock")
+    except OutputError:
+        print("REFUSED")
+"""
 
-    monkeypatch.setitem(sys.modules, "fcntl", None)
-    monkeypatch.setitem(sys.modules, "msvcrt", Msvcrt)
-    staged_merge(str(tmp_path / "out"), writer(NEW))
-    assert taken == [(2, 1)]
-    assert (tmp_path / "out" / "config.json").read_text() == "new config"
+
+def test_imports_locks_and_merges_without_fcntl(family_f32, tmp_path):
+    """Where fcntl does not exist (Windows) the package imports, a second
+    writer is still refused and a real merge is published."""
+    config = tmp_path / "ram.yml"
+    config.write_text(family_f32.yaml("ramplus"), encoding="utf-8")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-c", NO_FCNTL, str(config), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["REFUSED"]
+    assert (out / "model.safetensors").is_file()
+    assert (out / "ram_statistics.json").is_file()
+    assert ours_left(tmp_path) == []
 
 
 @pytest.mark.parametrize(
@@ -292,6 +316,25 @@ def test_a_live_owners_staging_is_left_alone(previous, tmp_path):
     recover_stale(str(previous))
     assert os.path.isdir(staging.root)
     staging.recover()
+    assert not ours_left(tmp_path)
+
+
+def test_windows_never_probes_an_owner_with_a_signal(previous, tmp_path, monkeypatch):
+    """os.kill(pid, 0) sends Ctrl-C on Windows: there R's lock alone decides."""
+
+    class Windows:
+        name = "nt"
+
+        def __getattr__(self, name: str):
+            return getattr(os, name)
+
+        @staticmethod
+        def kill(pid: int, signum: int) -> None:
+            raise AssertionError(f"os.kill({pid}, {signum})")
+
+    Staging.create(str(previous))  # owner: this (live) process
+    monkeypatch.setattr(output_folder, "os", Windows())
+    recover_stale(str(previous))
     assert not ours_left(tmp_path)
 
 

@@ -9,6 +9,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ import mergekit_ram.integration.output_folder
 from mergekit_ram.commands.cli import main
 
 TIMEOUT = 300
+# Unset in a child that must see the hub as online and our autoload hook on.
+ONLINE_UNSET = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MERGEKIT_RAM_AUTOLOAD")
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +68,67 @@ def copy_of(previous: Path, tmp_path: Path) -> Path:
 # --- 1. the offline card with a hub-like relative path ---------------------------
 
 
+def relative_inputs(family, root: Path) -> Path:
+    """ram.yml in root naming the family as `in/base`, `in/alpha`, ...: local
+    folders spelled like hub ids, which mergekit's card asks the hub about."""
+    (root / "in").mkdir()
+    for name, path in family.paths.items():
+        os.symlink(path, root / "in" / name)
+    config = family.config_dict("ram")
+    config["base_model"] = "in/base"
+    config["models"] = [{"model": f"in/{t}"} for t in family.tasks]
+    return write_config(root / "ram.yml", config)
+
+
 def test_relative_one_slash_path_offline_keeps_card_and_merge(
     family, previous, tmp_path, monkeypatch, caplog
 ):
     """`base_model: in/base` from a cwd where in/base exists, HF_HUB_OFFLINE=1
-    (set by conftest before the hub client was imported)."""
-    (tmp_path / "in").mkdir()
-    for name, path in family.paths.items():
-        os.symlink(path, tmp_path / "in" / name)
-    config = family.config_dict("ram")
-    config["base_model"] = "in/base"
-    config["models"] = [{"model": f"in/{t}"} for t in family.tasks]
-    write_config(tmp_path / "ram.yml", config)
+    (set by conftest before the hub client was imported): the hub is not
+    asked, and one warning line names every path the card does not link."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "repo_exists", lambda *a, **k: asked.append(a))
+    relative_inputs(family, tmp_path)
     out = copy_of(previous, tmp_path)
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, ["merge", "ram.yml", "out", "--quiet"])
     assert result.exit_code == 0, result.output
     card = (out / "README.md").read_text()
     assert "in/base" in card and "huggingface.co/in/base" not in card
-    assert "names it without a link" in caplog.text
+    assert asked == []
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "\n" not in warning and "HF_HUB_OFFLINE=1" in warning
+    assert all(f"in/{name}" in warning for name in family.paths)
+    assert warning.endswith("the card names them without a link.")
     assert (out / "config.json").is_file() and (out / "notes.txt").exists()
+
+
+def test_silent_hub_costs_seconds_and_one_line(family, tmp_path):
+    """HF_HUB_OFFLINE unset and a hub that accepts connections but never
+    answers: mergekit's own lookup waited on it without end; stock
+    mergekit-yaml now finishes, with one WARNING line."""
+    relative_inputs(family, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ONLINE_UNSET}
+    with socket.socket() as hub:
+        hub.bind(("127.0.0.1", 0))
+        hub.listen(8)
+        env["HF_ENDPOINT"] = endpoint = f"http://127.0.0.1:{hub.getsockname()[1]}"
+        env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HOME=str(tmp_path / "hf"))
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "mergekit-yaml"), "ram.yml", "out"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if "WARNING" in line]
+    assert f"the hub at {endpoint} did not answer within 2 s" in warning
+    assert all(f"in/{name}" in warning for name in family.paths)
+    assert "in/base" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_card_lookup_is_forgiven_only_inside_a_ram_merge(tmp_path, monkeypatch):

@@ -7,8 +7,10 @@ both the parametrized test below and the docs/errors.md table of their messages.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ import mergekit_ram
 from mergekit_ram.commands.synthetic import build_models
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.integration import model_locations
 from mergekit_ram.integration.validation import validate_analysis, validate_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "example_configs"
@@ -207,13 +210,75 @@ def test_other_methods_are_left_alone(family_f32, tmp_path):
         validate_analysis(config)
 
 
-def test_online_hub_ids_are_left_to_mergekit(family_f32, monkeypatch):
+def test_hub_ids_are_left_to_mergekit_when_the_hub_answers(family_f32, monkeypatch):
     import huggingface_hub
 
     def no_network(*_args, **_kwargs):
         raise AssertionError("validation must not look a model up")
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_locations, "hub_reachable", lambda: True)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
     document = family_f32.config_dict("ramplus", base_model="some-org/some-model")
     validate_config(config_of(document))
+
+
+def closed_endpoint() -> str:
+    """http://127.0.0.1:PORT where nothing listens: a hub that cannot be reached."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    "repo, expect",
+    [
+        ("nobody/no-such-model", "not in the local Hugging Face cache either"),
+        ("some-org/cached", "Write the cached snapshot's directory instead"),
+    ],
+    ids=["not cached", "cached"],
+)
+def test_unreachable_hub_refuses_hub_ids_at_once(
+    family_f32, workspace, monkeypatch, repo, expect
+):
+    """HF_HUB_OFFLINE unset, the hub unreachable: one paragraph, in seconds."""
+    endpoint = closed_endpoint()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    workspace.hub_cache("some-org/cached")
+    document = family_f32.config_dict("ramplus", base_model=repo)
+    options = MergeOptions(transformers_cache=str(workspace.root / "hf"))
+    start = time.perf_counter()
+    with no_weight_reads(), pytest.raises(RAMInputError) as caught:
+        validate_config(config_of(document), options)
+    assert time.perf_counter() - start < 5
+    message = caught.value.message
+    assert message.startswith(f"base_model: {repo} ") and expect in message
+    assert f"the hub at {endpoint} did not answer" in message
+
+
+@pytest.mark.parametrize("command", [["mergekit-ram", "merge"], ["mergekit-yaml"]])
+def test_unreachable_hub_is_one_error_paragraph(family_f32, tmp_path, command):
+    """Both entry points, with no HF_HUB_OFFLINE, an uncached hub id and a hub
+    that refuses connections: exit 2 and one `Error:` paragraph naming the
+    model, no traceback and no retries (which took about 40 s)."""
+    path = tmp_path / "hub.yml"
+    path.write_text(family_f32.yaml("ramplus", base_model="nobody/no-such-model"))
+    unset = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MERGEKIT_RAM_AUTOLOAD")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(HF_ENDPOINT=closed_endpoint(), HF_HOME=str(tmp_path / "hf"))
+    start = time.perf_counter()
+    done = subprocess.run(
+        [str(BIN / command[0]), *command[1:], str(path), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.strip()]
+    assert line.startswith("Error: base_model: nobody/no-such-model is not a local")
+    assert env["HF_ENDPOINT"] in line
+    assert elapsed < 30
+    assert not (tmp_path / "out").exists()

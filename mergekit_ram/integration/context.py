@@ -27,7 +27,8 @@ from mergekit_ram.core.survival import SurvivalTally
 class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
     `tally` None unless some task model's unique elements are rescaled;
-    `unlinked`: paths the model card could not ask the hub about (offline);
+    `unlinked`: paths the model card could not ask the hub about (no hub
+    answered);
     `inner_products`: the caller (`merge --report`) wants the statistics pass
     to sum the task vectors' inner products too, for the report's retention.
 

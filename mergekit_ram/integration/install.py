@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from types import ModuleType
 
@@ -73,8 +74,9 @@ def patch_planner(plan: ModuleType) -> None:
 def patch_card(merge: ModuleType) -> None:
     """Add the RAM+ statistics section to mergekit's model card, list a RAM
     merge's models in the configuration's order, and keep the card's hub
-    lookup from failing a finished RAM merge offline."""
+    lookup from failing or stalling a finished RAM merge offline."""
     from mergekit_ram.integration.context import current_run
+    from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
     from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.planner import statistics_for_card
     from mergekit_ram.integration.results import card_section, in_config_order
@@ -91,14 +93,19 @@ def patch_card(merge: ModuleType) -> None:
         raise _incompatible("mergekit.card.is_hf is missing")
 
     def is_hf(path: str) -> bool:
-        # Offline, the hub cannot say whether a relative `in/base` is a repo;
-        # a RAM merge is finished by then, so its card names it without a link.
+        # mergekit asks the hub whether a local folder named like a hub id
+        # (`in/base`) is also a repository, to link it. A RAM merge is
+        # finished by then: without a hub that answers, or if the lookup
+        # fails, its card names the folder without a link.
+        run = current_run()
+        if run is None:
+            return lookup(path)  # other methods keep mergekit's behaviour
+        if os.path.exists(path) and is_repo_id(path) and not hub_reachable():
+            run.unlinked.append(path)
+            return False
         try:
             return lookup(path)
         except Exception:
-            run = current_run()
-            if run is None:
-                raise  # other methods keep mergekit's behaviour
             run.unlinked.append(path)
             return False
 
@@ -107,11 +114,16 @@ def patch_card(merge: ModuleType) -> None:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
         run = current_run()
-        for path in dict.fromkeys(run.unlinked if run is not None else ()):
+        unlinked = sorted(set(run.unlinked if run is not None else ()))
+        if unlinked:
+            one = len(unlinked) == 1
             LOG.warning(
-                "Model card: the hub could not be asked whether %s is a hub "
-                "repository; the card names it without a link.",
-                path,
+                "Model card: the hub could not be asked whether %s %s (%s); "
+                "the card names %s without a link.",
+                ", ".join(unlinked),
+                "is a hub repository" if one else "are hub repositories",
+                "the lookup failed" if hub_reachable() else silent_hub(),
+                "it" if one else "them",
             )
         result = statistics_for_card()
         return card if result is None else card + card_section(*result)

@@ -2,8 +2,9 @@
 
 A local model directory must hold weights mergekit can load and a valid
 config.json, and no named pipe or device file a reader would block on; a
-hub id is accepted online (mergekit downloads it) and, with HF_HUB_OFFLINE=1,
-refused with the cached snapshot's directory to use instead. Reads a
+hub id is accepted when the hub answers (mergekit downloads it) and
+otherwise (HF_HUB_OFFLINE=1, or no answer within seconds: `hub`) refused,
+with the cached snapshot's directory to use instead where there is one. Reads a
 directory listing and config.json, then (`check_headers`) each local
 checkpoint's headers and index, a few kilobytes per file.
 """
@@ -18,8 +19,7 @@ from functools import partial
 
 import huggingface_hub
 from huggingface_hub import constants
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-from huggingface_hub.utils import validate_repo_id
+from huggingface_hub.errors import LocalEntryNotFoundError
 from mergekit.architecture import arch_info_for_config
 from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
@@ -29,6 +29,7 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.headers import check_models, regular_file
 from mergekit_ram.core.weight_files import WEIGHT_FILES
 from mergekit_ram.integration.config_groups import Group
+from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
 
 
 def model_references(
@@ -58,7 +59,8 @@ def check_reference(
 def check_location(
     location: ModelPath, role: str, cache_dir: str | None, *, model: bool
 ) -> None:
-    """A local model directory, or a hub id mergekit can fetch."""
+    """A local model directory, or a hub id mergekit can fetch: the hub is
+    asked (`hub`) only for a reference that is no local path."""
     path = location.path
     if os.path.isdir(path):
         _check_entries(path, role)
@@ -70,22 +72,27 @@ def check_location(
             f"{role}: {path} is a file; mergekit needs the model's directory "
             "(config.json and its weights)."
         )
-    if not _is_repo_id(path):
+    if not is_repo_id(path):
         raise RAMInputError(
             f"{role}: {path} does not exist{_relative_to(path)}. Fix the path, "
             "or create the model there first."
         )
-    if not constants.HF_HUB_OFFLINE:
-        return  # mergekit downloads it; the network is not ours to try here
+    if hub_reachable():
+        return  # mergekit downloads it
     snapshot = _cached_snapshot(location, role, cache_dir)
     if model:
         # mergekit 0.1.5 lists a hub repository's files online before it
         # reads a cached copy of its weights.
+        refusal = (
+            "which HF_HUB_OFFLINE=1 forbids"
+            if constants.HF_HUB_OFFLINE
+            else f"and {silent_hub()}"
+        )
         raise RAMInputError(
             f"{role}: {location} is a hub id, found in the local Hugging Face "
             "cache, but mergekit 0.1.5 asks the hub for its file list before "
-            "loading weights, which HF_HUB_OFFLINE=1 forbids. Write the cached "
-            f"snapshot's directory instead: {snapshot}"
+            f"loading weights, {refusal}. Write the cached snapshot's "
+            f"directory instead: {snapshot}"
         )
 
 
@@ -215,7 +222,7 @@ def _check_model_directory(path: str, role: str) -> None:
 
 
 def _cached_snapshot(location: ModelPath, role: str, cache_dir: str | None) -> str:
-    """The cached snapshot of a hub id; offline, there is no other source."""
+    """The cached snapshot of a hub id; without the hub, there is no other source."""
     try:
         return huggingface_hub.snapshot_download(
             location.path,
@@ -224,20 +231,17 @@ def _cached_snapshot(location: ModelPath, role: str, cache_dir: str | None) -> s
             local_files_only=True,
         )
     except LocalEntryNotFoundError as error:
+        cannot = (
+            "with HF_HUB_OFFLINE=1 it cannot be downloaded"
+            if constants.HF_HUB_OFFLINE
+            else f"it cannot be downloaded: {silent_hub()}"
+        )
         raise RAMInputError(
             f"{role}: {location} is not a local directory"
             f"{_relative_to(location.path)}, and not in the local Hugging Face "
-            "cache either; with HF_HUB_OFFLINE=1 it cannot be downloaded. Fix "
-            "the path, or download the model while online."
+            f"cache either; {cannot}. Fix the path, or download the model "
+            "while online."
         ) from error
-
-
-def _is_repo_id(path: str) -> bool:
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _relative_to(path: str) -> str:

@@ -14,7 +14,8 @@ state a kill can leave is repaired by one rule, applied under R's lock by
 the next run into R before it does anything else: if S/previous exists and R
 does not, rename S/previous back to R; then remove S. A folder is removed
 only if this rule can prove it is ours (name, token, R, owner process gone).
-Standard library only: `publishing` wraps mergekit's run_merge around it.
+Standard library and filelock only: `publishing` wraps mergekit's run_merge
+around it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import shutil
 import socket
 import stat
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+
+from filelock import FileLock, Timeout
 
 from mergekit_ram.core.weight_files import INDEX_FILES
 from mergekit_ram.integration.interrupts import interruptions
@@ -229,61 +232,39 @@ def lock_path(target: str) -> str:
     return os.path.join(os.path.dirname(target), f"{TAG}{_key(target)}.lock")
 
 
-def _flock(handle: int) -> bool:
-    """Take an exclusive lock on an open file without waiting (False: busy)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: a byte-range lock on the file's first byte
-        import msvcrt
-
-        try:
-            msvcrt.locking(handle, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        if error.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        return False
-    return True
-
-
 @contextmanager
 def locked(target: str, shown: str | None = None) -> Iterator[None]:
-    """Hold R's lock file (next to R) for the block; busy fails at once."""
+    """Hold R's lock file (next to R) for the block; busy fails at once.
+
+    filelock's lock: flock on POSIX, LockFileEx on Windows (the OS drops
+    both when the holder dies), a marker file where neither exists (reclaimed
+    from a dead holder). The file is removed while still held, so a run that
+    opened it meanwhile finds it gone and does not take it.
+    """
     path = lock_path(target)
-    while True:
-        try:
-            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise _refuse(
-                shown or target,
-                f"cannot be published: its parent folder {os.path.dirname(target)} "
-                f"does not accept new files ({error.strerror})",
-                "A merge writes next to the output folder and renames it; choose "
-                "a folder on a writable file system where you may create files.",
-            ) from error
-        if not _flock(handle):
-            os.close(handle)
-            raise OutputError(
-                f"Another merge is writing into {shown or target} right now (it "
-                f"holds {path}). Wait for it to finish, or choose another output "
-                "folder."
-            )
-        try:
-            same = os.path.samestat(os.fstat(handle), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(handle)  # the holder removed it as we opened it: take the new one
+    lock = FileLock(path, mode=0o644, blocking=False)
+    try:
+        lock.acquire()
+    except Timeout as error:  # an OSError too: first
+        raise OutputError(
+            f"Another merge is writing into {shown or target} right now (it "
+            f"holds {path}). Wait for it to finish, or choose another output "
+            "folder."
+        ) from error
+    except OSError as error:
+        raise _refuse(
+            shown or target,
+            f"cannot be published: its parent folder {os.path.dirname(target)} "
+            f"does not accept new files ({error.strerror})",
+            "A merge writes next to the output folder and renames it; choose "
+            "a folder on a writable file system where you may create files.",
+        ) from error
     try:
         yield
     finally:
-        os.unlink(path)
-        os.close(handle)
+        with suppress(OSError):  # Windows keeps an open file: removed on release
+            os.unlink(path)
+        lock.release()
 
 
 # --- staging folders: made, proven ours, published, recovered ----------------------
@@ -299,10 +280,16 @@ def _started(pid: int) -> str | None:
 
 
 def _alive(owner: dict) -> bool:
+    """Whether a staging folder's owner may still be running.
+
+    Asked under R's lock, which a live run into R would hold: the process
+    probe is a second proof where it exists. On Windows os.kill(pid, 0) is no
+    probe (it sends Ctrl-C), so the lock alone decides there.
+    """
     if owner.get("host") != socket.gethostname():
         return True  # another machine's (shared file system): never ours to judge
     pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
+    if not isinstance(pid, int) or pid <= 0 or os.name == "nt":
         return False
     try:
         os.kill(pid, 0)
