@@ -11,6 +11,19 @@ import pytest
 from mergekit_ram.integration.interrupts import Terminated, interruptions
 
 
+@pytest.fixture(autouse=True)
+def python_default_handlers():
+    """Python's own handlers while a test runs: a shell that starts pytest in
+    the background ignores SIGINT, which `interruptions` rightly leaves alone."""
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    }
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
 def test_held_outside_allowed_raised_at_the_end():
     before = signal.getsignal(signal.SIGINT)
     steps = []
