@@ -239,9 +239,9 @@ def _smoke_settings(tmp: Path) -> Path:
     return path
 
 
-def _run(config: Path) -> str:
+def _run(config: Path, *options: str) -> str:
     result = subprocess.run(
-        [sys.executable, str(AGENTS_DIR / "run.py"), "--config", str(config)],
+        [sys.executable, str(AGENTS_DIR / "run.py"), "--config", str(config), *options],
         capture_output=True,
         text=True,
     )
@@ -347,9 +347,12 @@ def test_smoke_agents_are_checkpoints_of_their_recipe_with_their_rl_log(smoke):
 
 
 @pytest.mark.slow
-def test_smoke_rerun_reuses_every_stage(smoke):
+def test_smoke_rerun_reuses_every_stage_in_either_order(smoke):
     config, settings, _log = smoke
-    log = _run(config)
+    results = Path(settings["results_dir"]) / "results.json"
+    first = json.loads(results.read_text())
+    log = _run(config, "--reverse")
+    assert json.loads(results.read_text()) == first
     points = sum(
         len(list(itertools.product(*spec["grid"].values())))
         for spec in settings["tuned"].values()

@@ -149,10 +149,20 @@ def run_regime(
     base: tuple[Path, dict, dict | None],
     evaluator: Evaluator | None,
     seed: int,
+    reverse: bool = False,
 ) -> dict:
     """One regime: agents, probe, every merge, supports and retention (cheap,
     no evaluation), then, with an evaluator, the baselines tuned on validation,
-    the test rows and the paired comparison with the best tuned baseline."""
+    the test rows and the paired comparison with the best tuned baseline.
+
+    `reverse` builds the same stages in another order (merges backwards; the
+    fixed merges' test rows, validation backwards, the agents, then the tuned
+    rows), so a second process on another core meets the first in the middle;
+    the document is the same either way."""
+
+    def ordered(items: list) -> list:
+        return items[::-1] if reverse else items
+
     base_dir, _base_key, base_test = base
     root = work / regime
     agents: dict[str, Path] = {}
@@ -189,12 +199,16 @@ def run_regime(
         built[name] = (out_dir, key)
         seconds["merge"][name] = stage_seconds(out_dir)
 
-    for name, spec in settings["merges"].items():
-        merge(name, spec, root / "merges" / name)
     grids = {name: grid_points(spec) for name, spec in settings["tuned"].items()}
-    for name, points in grids.items():
-        for point_name, point in points:
-            merge(f"{name} {point_name}", point, root / "grid" / name / point_name)
+    merges = [(n, spec, root / "merges" / n) for n, spec in settings["merges"].items()]
+    merges += [
+        (f"{name} {point_name}", point, root / "grid" / name / point_name)
+        for name, points in grids.items()
+        for point_name, point in points
+    ]
+    for name, spec, out_dir in ordered(merges):
+        merge(name, spec, out_dir)
+    built = {name: built[name] for name, _spec, _out in merges}
 
     support_dir = root / "support"
     cached(
@@ -219,32 +233,53 @@ def run_regime(
     if evaluator is None:
         return block
 
-    rows: dict[str, dict] = {"base": base_test}
-    for task in TASKS:
-        label = f"{task} agent"
-        eval_dir = root / "eval" / f"{task}_agent"
-        rows[label] = evaluator(agents[task], keys[task], eval_dir, "test")
-        seconds["eval"][label] = stage_seconds(eval_dir)
-    tested: dict[str, tuple[Path, dict]] = {}
-    tuned: dict[str, dict] = {}
-    for name, points in grids.items():
-        grid = {}
-        for point_name, _point in points:
+    scores: dict[str, dict] = {}
+
+    def test_rows(jobs: list[tuple[str, Path, dict, Path]]) -> None:
+        for label, model_dir, key, eval_dir in jobs:
+            scores[label] = evaluator(model_dir, key, eval_dir, "test")
+            seconds["eval"][label] = stage_seconds(eval_dir)
+
+    def validate(jobs: list[tuple[str, str]]) -> None:
+        for name, point_name in jobs:
             model_dir, key = built[f"{name} {point_name}"]
             out = root / "validation" / name / point_name
-            scores = evaluator(model_dir, key, out, "validation")
+            scores[f"validation {name} {point_name}"] = evaluator(
+                model_dir, key, out, "validation"
+            )
+
+    agent_rows = [
+        (f"{t} agent", agents[t], keys[t], root / "eval" / f"{t}_agent") for t in TASKS
+    ]
+    fixed_rows = [(n, *built[n], root / "eval" / n) for n in settings["merges"]]
+    points = [(name, p) for name, grid in grids.items() for p, _point in grid]
+    if reverse:
+        test_rows(ordered(fixed_rows))
+        validate(ordered(points))
+        test_rows(ordered(agent_rows))
+    else:
+        test_rows(agent_rows)
+        validate(points)
+    tested: dict[str, tuple[Path, dict]] = {}
+    tuned: dict[str, dict] = {}
+    for name, grid_of in grids.items():
+        grid = {}
+        for point_name, _point in grid_of:
+            validation = scores[f"validation {name} {point_name}"]
             grid[point_name] = {
-                "validation_mean": mean_accuracy(scores),
-                "validation": scores,
+                "validation_mean": mean_accuracy(validation),
+                "validation": validation,
             }
         chosen = max(grid, key=lambda point_name: grid[point_name]["validation_mean"])
         tuned[name] = {"chosen": chosen, "grid": grid}
         tested[name] = built[f"{name} {chosen}"]
+    test_rows(ordered([(n, *tested[n], root / "eval" / n) for n in tuned]))
+    if not reverse:
+        test_rows(fixed_rows)
     tested.update({name: built[name] for name in settings["merges"]})
-    for name, (model_dir, key) in tested.items():
-        eval_dir = root / "eval" / name
-        rows[name] = evaluator(model_dir, key, eval_dir, "test")
-        seconds["eval"][name] = stage_seconds(eval_dir)
+    rows: dict[str, dict] = {"base": base_test}
+    rows.update({label: scores[label] for label, *_rest in agent_rows})
+    rows.update({name: scores[name] for name in tested})
 
     # The best tuned baseline is chosen on validation too, never on test.
     def validation_mean(name: str) -> float:
@@ -315,6 +350,12 @@ def main(argv: list[str] | None = None) -> None:
         help="Build the base and this agent, then stop (to train agents in parallel).",
     )
     parser.add_argument(
+        "--reverse",
+        action="store_true",
+        help="Build the same stages in another order: a second process on another "
+        "core meets the first in the middle (same results).",
+    )
+    parser.add_argument(
         "--no-eval",
         action="store_true",
         help="Stop before evaluating: agents, probe, merges, supports and retention "
@@ -358,7 +399,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     for regime in regimes:
         document["regimes"][regime] = run_regime(
-            settings, regime, work, (base_dir, base_key, base_test), evaluator, seed
+            settings,
+            regime,
+            work,
+            (base_dir, base_key, base_test),
+            evaluator,
+            seed,
+            args.reverse,
         )
     if evaluator is None:
         path = work / "supports.json"
