@@ -24,6 +24,8 @@ before every run, so each starts cold, as on inputs larger than memory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -81,6 +83,7 @@ class Run:
     user: float
     system: float
     read: int  # bytes read from disk (page-cache hits are not counted)
+    digest: str = ""  # sha256 of the output's weight files (--hash), else ""
 
 
 def parameter_count(size: str) -> int:
@@ -296,7 +299,29 @@ def parse_time_v(text: str) -> Run:
     )
 
 
-def run_once(name: str, paths: dict[str, str], workdir: str, cuda: bool) -> Run:
+def output_digest(folder: str) -> str:
+    """sha256 over the output's weight files (names and bytes, in name order):
+    equal digests mean byte-identical weights."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            digest.update(name.encode())
+            with open(os.path.join(folder, name), "rb") as handle:
+                while block := handle.read(1 << 24):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def run_once(
+    name: str,
+    paths: dict[str, str],
+    workdir: str,
+    cuda: bool,
+    tree: str | None = None,
+    digest: bool = False,
+) -> Run:
+    """One whole `mergekit-yaml` process under /usr/bin/time -v; `tree`: a
+    checkout whose mergekit_ram is imported instead of the installed one."""
     method, parameters, ours = METHODS[name]
     config = os.path.join(workdir, "config.yml")
     with open(config, "w") as handle:
@@ -315,11 +340,18 @@ def run_once(name: str, paths: dict[str, str], workdir: str, cuda: bool) -> Run:
     env = dict(
         os.environ, HF_HUB_OFFLINE="1", MERGEKIT_RAM_AUTOLOAD="1" if ours else "0"
     )
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(tree), *filter(None, [env.get("PYTHONPATH")])]
+        )
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stdout}\n{done.stderr}")
+    run = parse_time_v(done.stderr)
+    if digest:
+        run = dataclasses.replace(run, digest=output_digest(out))
     shutil.rmtree(out, ignore_errors=True)
-    return parse_time_v(done.stderr)
+    return run
 
 
 def ratio(value: float, base: float) -> str:
@@ -335,10 +367,12 @@ def table(results: dict[str, list[Run]]) -> list[str]:
     base_wall = statistics.median(r.wall for r in base)
     base_rss = statistics.median(r.rss for r in base)
     base_read = statistics.median(r.read for r in base)
+    hashed = any(r.digest for runs in results.values() for r in runs)
     lines = [
         "| method | wall s (median) | ÷ stock ram | peak RSS GB | ÷ stock ram "
-        "| read GB | ÷ stock ram | user s | system s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| read GB | ÷ stock ram | user s | system s |"
+        + (" output sha256 |" if hashed else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if hashed else ""),
     ]
     for name, runs in results.items():
         wall = statistics.median(r.wall for r in runs)
@@ -350,8 +384,36 @@ def table(results: dict[str, list[Run]]) -> list[str]:
             f"{read / 1e9:.2f} | {ratio(read, base_read)} | "
             f"{statistics.median(r.user for r in runs):.1f} | "
             f"{statistics.median(r.system for r in runs):.1f} |"
+            + (f" {digest_cell(runs)} |" if hashed else "")
         )
     return lines
+
+
+def digest_cell(runs: Sequence[Run]) -> str:
+    """The output's sha256 (12 hex digits) if every round wrote the same bytes."""
+    digests = {r.digest for r in runs}
+    return f"`{digests.pop()[:12]}`" if len(digests) == 1 else "differs between rounds"
+
+
+def variants(
+    methods: Sequence[str], trees: Sequence[str]
+) -> dict[str, tuple[str, str | None]]:
+    """Row name -> (method, checkout or None): every method, then each of our
+    methods again per `LABEL=PATH` in trees, with that checkout's code."""
+    rows: dict[str, tuple[str, str | None]] = {m: (m, None) for m in methods}
+    for entry in trees:
+        label, separator, path = entry.partition("=")
+        if not separator or not label or not path:
+            raise SystemExit(f"--compare wants LABEL=PATH, not {entry!r}")
+        if not os.path.isdir(os.path.join(path, "mergekit_ram")):
+            raise SystemExit(
+                f"--compare {entry}: {path} holds no mergekit_ram package; give a "
+                "checkout of this repository (e.g. git worktree add /tmp/old HEAD~1)"
+            )
+        for method in methods:
+            if METHODS[method][2]:
+                rows[f"{method} [{label}]"] = (method, path)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,6 +433,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the temp folder")
     parser.add_argument("--output", help="also write the markdown here")
     parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also run our methods with the mergekit_ram of another checkout "
+        "(e.g. the commit before an optimisation), interleaved, rows marked [LABEL]",
+    )
+    parser.add_argument(
+        "--hash",
+        action="store_true",
+        help="sha256 every output's weight files (a column: equal means "
+        "byte-identical; outside the timed process)",
+    )
+    parser.add_argument(
         "--drop-caches",
         action="store_true",
         help=f"sync and write 1 to {DROP_CACHES} before every run, so each "
@@ -378,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     methods = list(dict.fromkeys([BASELINE, *args.methods]))
+    rows = variants(methods, args.compare)
     os.environ["HF_HUB_OFFLINE"] = "1"
     problem = drop_caches_problem() if args.drop_caches else None
     if problem:
@@ -405,17 +482,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             for agents in args.agents:
                 print(f"building {size} with {agents} agents in {workdir}", flush=True)
                 paths = build_models(size, agents, workdir)
-                results: dict[str, list[Run]] = {m: [] for m in methods}
+                results: dict[str, list[Run]] = {row: [] for row in rows}
                 for round_index in range(args.rounds):
-                    for name in methods:
+                    for name, (method, tree) in rows.items():
                         if args.drop_caches:
                             drop_caches()
-                        run = run_once(name, paths, scratch, args.cuda)
+                        run = run_once(
+                            method, paths, scratch, args.cuda, tree, args.hash
+                        )
                         results[name].append(run)
                         print(
                             f"{size} x{agents} round {round_index + 1} {name:<24} "
                             f"{run.wall:7.1f} s {run.rss / 1e6:6.2f} GB "
-                            f"{run.read / 1e9:6.2f} GB read",
+                            f"{run.read / 1e9:6.2f} GB read {run.digest[:12]}",
                             flush=True,
                         )
                 report += [

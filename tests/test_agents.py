@@ -26,7 +26,7 @@ AGENTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "agents"
 sys.path.insert(0, str(AGENTS_DIR))
 
 from merges import grid_points  # noqa: E402
-from results import spearman  # noqa: E402
+from results import keep_earlier_regimes, spearman  # noqa: E402
 from rl import (  # noqa: E402
     completion_mask,
     group_advantages,
@@ -175,6 +175,27 @@ def test_spearman_is_one_for_the_same_order_and_minus_one_reversed():
     a = {"x": 3.0, "y": 2.0, "z": 1.0}
     assert spearman(a, {"x": 30.0, "y": 20.0, "z": 10.0}) == pytest.approx(1.0)
     assert spearman(a, {"x": 1.0, "y": 2.0, "z": 3.0}) == pytest.approx(-1.0)
+
+
+def test_a_rerun_of_one_regime_keeps_the_others_block_in_config_order(tmp_path):
+    def document(regimes, test=300):
+        return {
+            "test_prompts_per_task": test,
+            "validation_prompts_per_task": 60,
+            "regimes": {r: {"rows": r} for r in regimes},
+        }
+
+    (tmp_path / "results.json").write_text(json.dumps(document(["b", "gone"])))
+    now = document(["a"])
+    assert keep_earlier_regimes(now, tmp_path, ["a", "b"]) == ["b"]
+    assert list(now["regimes"]) == ["a", "b"]  # the config's order; "gone" dropped
+    assert now["regimes"]["b"] == {"rows": "b"}
+    rerun = document(["b"])  # a regime run now replaces its earlier block
+    assert keep_earlier_regimes(rerun, tmp_path, ["a", "b"]) == []
+    other_counts = document(["a"], test=100)  # scored on other prompts: not mixed
+    assert keep_earlier_regimes(other_counts, tmp_path, ["a", "b"]) == []
+    assert list(other_counts["regimes"]) == ["a"]
+    assert keep_earlier_regimes(document(["a"]), tmp_path / "none", ["a", "b"]) == []
 
 
 def test_recall_reward_needs_the_stored_value_first():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from math import prod
 
@@ -139,7 +140,7 @@ def test_too_little_disk_stops_before_building(monkeypatch, tmp_path, capsys):
 def test_caches_dropped_before_every_run(monkeypatch, tmp_path):
     events = []
 
-    def run_once(name, paths, workdir, cuda):
+    def run_once(name, paths, workdir, cuda, tree=None, digest=False):
         events.append(name)
         return speed.Run(1.0, 1000, 1.0, 1.0, 2 * GB if "ramplus" in name else GB)
 
@@ -161,6 +162,81 @@ def test_caches_dropped_before_every_run(monkeypatch, tmp_path):
     assert (
         "| our ramplus (global) | 1.0 | 1.00× | 0.00 | 1.00× | 2.00 | 2.00× |" in text
     )
+
+
+def test_compare_runs_our_methods_again_with_the_other_checkouts_code(
+    monkeypatch, tmp_path
+):
+    old = tmp_path / "old"
+    (old / "mergekit_ram").mkdir(parents=True)
+    calls = []
+
+    def run_once(name, paths, workdir, cuda, tree=None, digest=False):
+        calls.append((name, tree, digest))
+        return speed.Run(2.0 if tree else 1.0, 1000, 1.0, 1.0, GB, "ab" * 32)
+
+    monkeypatch.setattr(speed, "build_models", lambda *a: {"base": "b", "x": "x"})
+    monkeypatch.setattr(speed, "run_once", run_once)
+    output = tmp_path / "table.md"
+    code = speed.main(
+        ["--sizes", "tiny", "--rounds", "1", "--workdir", str(tmp_path / "w")]
+        + ["--methods", "our ram", "--compare", f"before={old}", "--hash"]
+        + ["--output", str(output)]
+    )
+    assert code == 0
+    # stock rows are not repeated: the other checkout's code is ours only
+    assert calls == [
+        (speed.BASELINE, None, True),
+        ("our ram", None, True),
+        ("our ram", str(old), True),
+    ]
+    text = output.read_text()
+    assert "| our ram [before] | 2.0 | 2.00× |" in text
+    assert text.count("`abababababab` |") == 3
+
+
+@pytest.mark.parametrize("entry", ["nolabel", "=path", "x="])
+def test_compare_needs_label_and_a_checkout(tmp_path, entry):
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        speed.variants(["our ram"], [entry])
+    with pytest.raises(SystemExit, match="holds no mergekit_ram"):
+        speed.variants(["our ram"], [f"x={tmp_path}"])
+
+
+def test_run_once_puts_the_checkout_first_on_pythonpath_and_hashes(
+    monkeypatch, tmp_path
+):
+    seen = {}
+
+    def fake_run(command, env, **kwargs):
+        seen["env"] = env
+        out = tmp_path / "out"
+        out.mkdir()
+        (out / "model-00001.safetensors").write_bytes(b"weights")
+        (out / "ram_statistics.json").write_text('{"seconds": 1}')
+        return subprocess.CompletedProcess(command, 0, "", TIME_V)
+
+    monkeypatch.setattr(speed.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    run = speed.run_once(
+        "our ram", {"base": "b", "a": "a"}, str(tmp_path), False, "/old/tree", True
+    )
+    assert seen["env"]["PYTHONPATH"] == os.pathsep.join(["/old/tree", "/elsewhere"])
+    assert seen["env"]["MERGEKIT_RAM_AUTOLOAD"] == "1"
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "model-00001.safetensors").write_bytes(b"weights")
+    assert run.digest == speed.output_digest(str(again))
+    (again / "model-00001.safetensors").write_bytes(b"weightz")
+    assert run.digest != speed.output_digest(str(again))
+    assert not (tmp_path / "out").exists()
+
+
+def test_digest_cell_says_when_rounds_wrote_different_bytes():
+    same = [speed.Run(1, 1, 1, 1, 1, "c" * 64)] * 2
+    assert speed.digest_cell(same) == "`cccccccccccc`"
+    mixed = same + [speed.Run(1, 1, 1, 1, 1, "d" * 64)]
+    assert speed.digest_cell(mixed) == "differs between rounds"
 
 
 def test_task_arithmetic_config_carries_weights_and_ours_do_not():

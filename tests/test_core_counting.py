@@ -9,6 +9,7 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
+from mergekit_ram.core import counting
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
     JOINT_LIMIT,
@@ -60,6 +61,31 @@ def test_joint_and_pairwise_counting_agree_with_reference(n):
     per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
     assert rows == reference.csu(per_tensor, n)[3]
     assert pairs == reference.intersections(per_tensor, n)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 18])
+def test_chunked_counting_equals_reference_across_chunk_boundaries(monkeypatch, chunk):
+    # The joint pattern is counted COUNT_CHUNK elements at a time: boundaries
+    # inside the tensor, a last partial chunk, a transposed (non-contiguous)
+    # task, and NaN / Inf elements (never counted as changed by RAM's rule:
+    # NaN > ε is false; the pass's nonfinite rule runs before counting).
+    monkeypatch.setattr(counting, "COUNT_CHUNK", chunk)
+    base, tasks = cast(
+        *sparse_tasks((13, 11), [0.4, 0.05, 0.6], seed=5), torch.bfloat16
+    )
+    tasks[0] = tasks[0].clone()
+    tasks[0][0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    tasks[2] = tasks[2].t().contiguous().t()  # same values, transposed storage
+    assert not tasks[2].is_contiguous()
+    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
+    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+    assert rows == reference.csu(per_tensor, 3)[3]
+    assert pairs == reference.intersections(per_tensor, 3)
+    empty = torch.zeros(0, dtype=torch.bfloat16)
+    assert tensor_overlaps(empty, [empty, empty], EPSILON) == (
+        [[0, 0]] * 2,
+        [[0, 0]] * 2,
+    )
 
 
 def test_worked_example_counts():

@@ -228,6 +228,29 @@ def write_figure(document: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def keep_earlier_regimes(
+    document: dict, out_dir: Path, regimes: list[str]
+) -> list[str]:
+    """Add to document the blocks of out_dir/results.json for regimes of the
+    config not run now (one regime can be rerun without the others' caches);
+    only when both were scored on as many prompts. Returns the names kept."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return []
+    earlier = json.loads(path.read_text())
+    counts = ("test_prompts_per_task", "validation_prompts_per_task")
+    if any(earlier.get(count) != document[count] for count in counts):
+        return []
+    kept = [
+        regime
+        for regime in regimes
+        if regime not in document["regimes"] and regime in earlier["regimes"]
+    ]
+    blocks = {**document["regimes"], **{r: earlier["regimes"][r] for r in kept}}
+    document["regimes"] = {r: blocks[r] for r in regimes if r in blocks}
+    return kept
+
+
 def write_results(document: dict, out_dir: Path) -> list[Path]:
     """results.json, results.md and table1.png in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)

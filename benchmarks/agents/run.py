@@ -26,7 +26,7 @@ from evaluate import evaluate_model
 from filelock import FileLock
 from generation import MAX_NEW_TOKENS
 from merges import console_script, grid_points, merge_config, run_merge
-from results import write_results
+from results import keep_earlier_regimes, write_results
 from rl import RLConfig, train_agent
 from stats import paired_bootstrap, support_statistics
 from tasks import TASKS, fingerprint
@@ -412,7 +412,10 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(document, indent=1) + "\n")
         log(f"done (no evaluation) in {time.perf_counter() - started:.0f} s: {path}")
         return
-    paths = write_results(document, Path(args.results_dir or settings["results_dir"]))
+    out_dir = Path(args.results_dir or settings["results_dir"])
+    for regime in keep_earlier_regimes(document, out_dir, list(settings["regimes"])):
+        log(f"kept {regime}'s block from {out_dir / 'results.json'} (not run now)")
+    paths = write_results(document, out_dir)
     log(f"done in {time.perf_counter() - started:.0f} s: " + ", ".join(map(str, paths)))
 
 

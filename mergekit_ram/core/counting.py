@@ -38,11 +38,56 @@ def tensor_overlaps(
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|.
 
-    The diagonal is each task's changed count. Every mask is computed once and
-    kept as bool (one byte per element and task) for this tensor only.
+    The diagonal is each task's changed count. Up to JOINT_LIMIT tasks the
+    masks are made and counted a chunk at a time (`_joint_histogram`);
+    beyond, every mask is computed once and kept as bool (one byte per
+    element and task) for this tensor only.
     """
+    if tasks and len(tasks) <= JOINT_LIMIT:
+        return _decode_joint(_joint_histogram(base, tasks, epsilon), len(tasks))
     base32 = base.to(dtype=torch.float32)
     return overlaps_of(change_masks(base32, tasks, epsilon), base32)
+
+
+# Elements per step of the chunked count: its float32 buffers stay in the CPU
+# cache, and no tensor-sized float32 copy is allocated (touching fresh pages
+# cost more than the arithmetic: the whole-tensor count of four 16.8 M-element
+# bf16 tensors took 0.75 s on one core, chunked 0.22 s, with 2^16 0.33 s).
+COUNT_CHUNK = 1 << 18
+
+
+@torch.no_grad()
+def _joint_histogram(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+) -> list[int]:
+    """How many elements show each joint change pattern (bit t: task t's
+    m = |τ_t| > ε), counted a chunk at a time with the kernel's τ and mask."""
+    flat_base = base.reshape(-1)
+    flat_tasks = [task.reshape(-1) for task in tasks]
+    total = flat_base.numel()
+    size = max(1, min(COUNT_CHUNK, total))
+    device = base.device
+    base32 = torch.empty(size, dtype=torch.float32, device=device)
+    tau = torch.empty(size, dtype=torch.float32, device=device)
+    mask = torch.empty(size, dtype=torch.bool, device=device)
+    pattern = torch.empty(size, dtype=torch.uint8, device=device)
+    joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=device)
+    with _one_cpu_thread(device):
+        for start in range(0, total, COUNT_CHUNK):
+            stop = min(start + COUNT_CHUNK, total)
+            width = stop - start
+            chunk = base32[:width].copy_(flat_base[start:stop])
+            codes = pattern[:width].zero_()
+            for t, task in enumerate(flat_tasks):
+                changed = change_mask(
+                    task_vector_into(tau[:width], task[start:stop], chunk),
+                    epsilon,
+                    overwrite=True,
+                    out=mask[:width],
+                )
+                codes.add_(changed.view(torch.uint8), alpha=1 << t)
+            joint += torch.bincount(codes, minlength=1 << len(tasks))
+    return joint.tolist()
 
 
 def overlaps_of(
@@ -151,7 +196,16 @@ def _from_joint(
     pattern = torch.zeros(masks[0].shape, dtype=torch.uint8, device=masks[0].device)
     for t, mask in enumerate(masks):
         pattern.add_(mask.view(torch.uint8), alpha=1 << t)
-    joint = torch.bincount(pattern.flatten(), minlength=1 << n).tolist()
+    return _decode_joint(
+        torch.bincount(pattern.flatten(), minlength=1 << n).tolist(), n
+    )
+
+
+def _decode_joint(
+    joint: Sequence[int], n: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Every task's k-way histogram and every pairwise intersection from the
+    number of elements showing each joint pattern (bit t: task t changes it)."""
     rows = [[0] * n for _ in range(n)]
     pairs = [[0] * n for _ in range(n)]
     for code, elements in enumerate(joint):

@@ -37,9 +37,16 @@ def task_vector(task: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
     return task_vector_into(torch.empty_like(base32), task, base32)
 
 
-def change_mask(tau: torch.Tensor, epsilon: float, *, overwrite: bool = False):
-    """m = |τ| > ε, strict and absolute (`overwrite`: τ becomes |τ| in place)."""
-    return torch.gt(tau.abs_() if overwrite else tau.abs(), epsilon)
+def change_mask(
+    tau: torch.Tensor,
+    epsilon: float,
+    *,
+    overwrite: bool = False,
+    out: torch.Tensor | None = None,
+):
+    """m = |τ| > ε, strict and absolute (`overwrite`: τ becomes |τ| in place;
+    `out`: a bool tensor to write m into)."""
+    return torch.gt(tau.abs_() if overwrite else tau.abs(), epsilon, out=out)
 
 
 @torch.no_grad()
