@@ -396,10 +396,13 @@ def digest_cell(runs: Sequence[Run]) -> str:
 
 
 def variants(
-    methods: Sequence[str], trees: Sequence[str]
+    methods: Sequence[str],
+    trees: Sequence[str],
+    compared: Sequence[str] | None = None,
 ) -> dict[str, tuple[str, str | None]]:
     """Row name -> (method, checkout or None): every method, then each of our
-    methods again per `LABEL=PATH` in trees, with that checkout's code."""
+    methods (or those in `compared`) again per `LABEL=PATH` in trees, with
+    that checkout's code."""
     rows: dict[str, tuple[str, str | None]] = {m: (m, None) for m in methods}
     for entry in trees:
         label, separator, path = entry.partition("=")
@@ -410,7 +413,7 @@ def variants(
                 f"--compare {entry}: {path} holds no mergekit_ram package; give a "
                 "checkout of this repository (e.g. git worktree add /tmp/old HEAD~1)"
             )
-        for method in methods:
+        for method in compared or methods:
             if METHODS[method][2]:
                 rows[f"{method} [{label}]"] = (method, path)
     return rows
@@ -441,6 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(e.g. the commit before an optimisation), interleaved, rows marked [LABEL]",
     )
     parser.add_argument(
+        "--compare-methods",
+        nargs="+",
+        choices=[name for name, (_m, _p, ours) in METHODS.items() if ours],
+        help="which of our methods --compare repeats (default: all in --methods)",
+    )
+    parser.add_argument(
         "--hash",
         action="store_true",
         help="sha256 every output's weight files (a column: equal means "
@@ -454,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     methods = list(dict.fromkeys([BASELINE, *args.methods]))
-    rows = variants(methods, args.compare)
+    rows = variants(methods, args.compare, args.compare_methods)
     os.environ["HF_HUB_OFFLINE"] = "1"
     problem = drop_caches_problem() if args.drop_caches else None
     if problem:

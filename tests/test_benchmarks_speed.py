@@ -195,6 +195,14 @@ def test_compare_runs_our_methods_again_with_the_other_checkouts_code(
     assert text.count("`abababababab` |") == 3
 
 
+def test_compare_methods_limits_the_repeated_rows(tmp_path):
+    (tmp_path / "mergekit_ram").mkdir()
+    methods = [speed.BASELINE, "our ram", "our ramplus (global)"]
+    rows = speed.variants(methods, [f"b={tmp_path}"], ["our ramplus (global)"])
+    assert list(rows) == methods + ["our ramplus (global) [b]"]
+    assert rows["our ramplus (global) [b]"] == ("our ramplus (global)", str(tmp_path))
+
+
 @pytest.mark.parametrize("entry", ["nolabel", "=path", "x="])
 def test_compare_needs_label_and_a_checkout(tmp_path, entry):
     with pytest.raises(SystemExit, match="LABEL=PATH"):
