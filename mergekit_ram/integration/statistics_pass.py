@@ -21,6 +21,7 @@ from mergekit.io.tasks import LoaderCache
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+from mergekit_ram.integration.prefetch import ReadAhead, hinted, loads_of
 
 
 def _count_task(
@@ -110,10 +111,16 @@ def collect_planned(
     targets = set(executor.targets)
     forward = [h.task() for h in executor.schedule.tasks if h in targets]
     executor.schedule = reversed_groups(executor.schedule, executor.targets)
-    for gather, tensors in executor.run(quiet=quiet, desc=desc):
-        for task in by_input[gather]:
-            _count_task(stats, task, tensors, math_device)
-        del tensors
+    upcoming = [loads_of(h) for h in executor.schedule.tasks if h in targets]
+    read_ahead = ReadAhead()
+    try:
+        groups = executor.run(quiet=quiet, desc=desc)
+        for gather, tensors in hinted(groups, upcoming, read_ahead):
+            for task in by_input[gather]:
+                _count_task(stats, task, tensors, math_device)
+            del tensors
+    finally:
+        read_ahead.close()
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(

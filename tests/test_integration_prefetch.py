@@ -1,0 +1,146 @@
+"""Read-ahead hints: where they point, when they are given, and that they
+change nothing the pass or the merge computes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import merge_yaml, read_json
+from safetensors.torch import save_file
+
+import mergekit_ram.integration.prefetch as prefetch
+import mergekit_ram.integration.statistics_pass as statistics_pass
+
+
+def test_safetensors_spans_point_at_each_tensors_bytes(tmp_path):
+    tensors = {
+        "a": torch.arange(7, dtype=torch.float32),
+        "b.weight": torch.randn(3, 5).to(torch.bfloat16),
+        "c": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "empty": torch.zeros(0),
+    }
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path), {"format": "pt"})
+    spans = prefetch.safetensors_spans(str(path))
+    data = path.read_bytes()
+    assert set(spans) == set(tensors)
+    for name, tensor in tensors.items():
+        start, length = spans[name]
+        raw = tensor.view(torch.uint8) if tensor.numel() else tensor.to(torch.uint8)
+        assert data[start : start + length] == bytes(raw.reshape(-1).tolist())
+
+
+class Recorder:
+    def __init__(self):
+        self.events: list[str] = []
+
+    def hint(self, loads):
+        self.events.append(f"hint {loads}")
+
+
+def test_hinted_asks_for_the_next_group_before_handing_out_this_one():
+    recorder = Recorder()
+    pairs = iter([("g0", 0), ("g1", 1), ("g2", 2)])
+    out = []
+    for pair in prefetch.hinted(pairs, ["L0", "L1", "L2"], recorder):
+        recorder.events.append(f"count {pair[0]}")
+        out.append(pair)
+    assert out == [("g0", 0), ("g1", 1), ("g2", 2)]
+    assert recorder.events == [
+        "hint L0", "hint L1", "count g0", "hint L2", "count g1", "count g2"
+    ]  # fmt: skip
+
+
+OPEN: dict[int, str] = {}  # checkpoint files opened through os.open, not closed
+
+
+@pytest.fixture
+def advised(monkeypatch):
+    """Every posix_fadvise call of the pass, as (file, first byte, length);
+    checkpoint files opened with os.open are tracked in OPEN until closed."""
+    calls: list[tuple[str, int, int]] = []
+    real_open, real_close = os.open, os.close
+
+    def record(descriptor, start, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        calls.append((os.readlink(f"/proc/self/fd/{descriptor}"), start, length))
+
+    def opening(path, flags, *args, **kwargs):
+        descriptor = real_open(path, flags, *args, **kwargs)
+        if str(path).endswith(".safetensors"):
+            OPEN[descriptor] = str(path)
+        return descriptor
+
+    def closing(descriptor):
+        OPEN.pop(descriptor, None)
+        real_close(descriptor)
+
+    OPEN.clear()
+    monkeypatch.setattr(prefetch.os, "posix_fadvise", record, raising=False)
+    monkeypatch.setattr(prefetch.os, "open", opening)
+    monkeypatch.setattr(prefetch.os, "close", closing)
+    return calls
+
+
+def test_the_pass_hints_every_input_tensor_once(model_family, tmp_path, advised):
+    family = model_family("prefetch", tokenizer=False)
+    merge_yaml(family.yaml("ramplus"), tmp_path / "out")
+    expected = set()
+    for folder in family.paths.values():
+        file = os.path.realpath(Path(folder) / "model.safetensors")
+        spans = prefetch.safetensors_spans(file)
+        expected |= {(file, start, length) for start, length in spans.values()}
+    assert len(advised) == len(set(advised))  # no tensor hinted twice
+    assert set(advised) == expected
+    assert OPEN == {}  # the files the hints opened are closed
+
+
+@pytest.mark.parametrize("failure", ["missing", "raises"])
+def test_merge_is_the_same_without_hints_or_when_they_fail(
+    model_family, tmp_path, monkeypatch, failure
+):
+    family = model_family("prefetch-same", tokenizer=False)
+    hinted_weights = merge_yaml(family.yaml("ramplus"), tmp_path / "hinted")
+    if failure == "missing":  # Windows: no posix_fadvise
+        monkeypatch.delattr(prefetch.os, "posix_fadvise", raising=False)
+    else:
+
+        def refuse(*args):
+            raise OSError(22, "Invalid argument")
+
+        monkeypatch.setattr(prefetch.os, "posix_fadvise", refuse, raising=False)
+    plain_weights = merge_yaml(family.yaml("ramplus"), tmp_path / "plain")
+    assert hinted_weights.keys() == plain_weights.keys()
+    for name in hinted_weights:
+        assert torch.equal(hinted_weights[name], plain_weights[name])
+
+    def statistics(folder):
+        data = read_json(tmp_path / folder / "ram_statistics.json")
+        data.pop("seconds")
+        return json.dumps(data, sort_keys=True)
+
+    assert statistics("hinted") == statistics("plain")
+
+
+def test_a_pass_that_fails_still_closes_what_it_opened(
+    model_family, tmp_path, monkeypatch, advised
+):
+    family = model_family("prefetch-fail", tokenizer=False)
+    calls = {"n": 0}
+    count_task = statistics_pass._count_task
+
+    def fail_on_second(*args):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("interrupted")
+        count_task(*args)
+
+    monkeypatch.setattr(statistics_pass, "_count_task", fail_on_second)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        merge_yaml(family.yaml("ramplus"), tmp_path / "out")
+    assert advised  # hints were given before the failure
+    assert OPEN == {}
