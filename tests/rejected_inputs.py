@@ -37,6 +37,7 @@ from mergekit.io.tasks import LoaderCache
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
+from mergekit_ram.integration import prefetch
 
 ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
 BEGIN = "<!-- rejected-inputs:begin -->"
@@ -665,6 +666,7 @@ def no_weight_reads() -> Iterator[None]:
     with (
         mock.patch.object(LoaderCache, "get", refuse),
         mock.patch.object(ShardedTensorIndex, "from_disk", refuse),
+        mock.patch.object(prefetch, "safetensors_spans", refuse),
     ):
         yield
 

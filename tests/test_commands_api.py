@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import reference
 import torch
+import yaml
 from mergekit import merge_methods
 from tensors import (
     EPSILON,
@@ -577,3 +578,27 @@ def test_integer_base_is_kept_as_in_a_config_merge(base_at):
         base="base",
     )
     assert torch.equal(states["x"], merged)
+
+
+@pytest.mark.parametrize("path", ["/models/a b", '/models/say "hi"', "/models/plain"])
+def test_recipe_yaml_writes_any_model_path_back_as_it_parses(path):
+    from mergekit.config import MergeConfiguration
+
+    from mergekit_ram.commands.api import recipe_yaml
+
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "ramplus",
+            "base_model": f"{path}/base",
+            "models": [
+                {"model": f"{path}/alpha", "parameters": {"unique_scale": 1.5}},
+                {"model": f"{path}/beta+{path}/lora"},
+            ],
+            "parameters": {"r": 0.2},
+            "dtype": "bfloat16",
+        }
+    )
+    text = recipe_yaml(config)
+    assert MergeConfiguration.model_validate(yaml.safe_load(text)) == config
+    if " " not in path and '"' not in path:
+        assert text == config.to_yaml()  # mergekit's own text where it can write it

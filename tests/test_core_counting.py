@@ -63,13 +63,26 @@ def test_joint_and_pairwise_counting_agree_with_reference(n):
     assert pairs == reference.intersections(per_tensor, n)
 
 
+@pytest.fixture
+def torch_threads():
+    """Set torch's CPU thread count for one test (restored after)."""
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 18])
-def test_chunked_counting_equals_reference_across_chunk_boundaries(monkeypatch, chunk):
-    # The joint pattern is counted COUNT_CHUNK elements at a time: boundaries
-    # inside the tensor, a last partial chunk, a transposed (non-contiguous)
-    # task, and NaN / Inf elements (never counted as changed by RAM's rule:
-    # NaN > ε is false; the pass's nonfinite rule runs before counting).
+def test_chunked_counting_equals_reference_across_chunk_boundaries(
+    monkeypatch, torch_threads, chunk, threads
+):
+    # The joint pattern is counted COUNT_CHUNK elements at a time, the chunks
+    # shared out among `threads` workers: boundaries inside the tensor and
+    # between workers' runs, a last partial chunk, a transposed
+    # (non-contiguous) task, and NaN / Inf elements (never counted as changed
+    # by RAM's rule: NaN > ε is false; the pass's nonfinite rule runs first).
     monkeypatch.setattr(counting, "COUNT_CHUNK", chunk)
+    torch_threads(threads)
     base, tasks = cast(
         *sparse_tasks((13, 11), [0.4, 0.05, 0.6], seed=5), torch.bfloat16
     )
@@ -86,6 +99,26 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(monkeypatch, 
         [[0, 0]] * 2,
         [[0, 0]] * 2,
     )
+    assert torch.get_num_threads() == threads  # the count restores it
+
+
+def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads):
+    """Three threads, ten chunks: every chunk counted once, by runs of 3, 3, 4."""
+    monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
+    torch_threads(3)
+    runs = []
+    count_run = counting._count_run
+
+    def recording(flat_base, flat_tasks, starts, epsilon):
+        runs.append(list(starts))
+        return count_run(flat_base, flat_tasks, starts, epsilon)
+
+    monkeypatch.setattr(counting, "_count_run", recording)
+    base, tasks = sparse_tasks((40,), [0.5, 0.3], seed=2)
+    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
+    assert sorted(runs) == [[0, 4, 8], [12, 16, 20], [24, 28, 32, 36]]
+    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+    assert rows == reference.csu(per_tensor, 2)[3]
 
 
 def test_worked_example_counts():

@@ -3,8 +3,14 @@ change nothing the pass or the merge computes."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +38,35 @@ def test_safetensors_spans_point_at_each_tensors_bytes(tmp_path):
         start, length = spans[name]
         raw = tensor.view(torch.uint8) if tensor.numel() else tensor.to(torch.uint8)
         assert data[start : start + length] == bytes(raw.reshape(-1).tolist())
+
+
+def _header(payload: bytes, declared: int | None = None) -> bytes:
+    size = len(payload) if declared is None else declared
+    return size.to_bytes(8, "little") + payload
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",  # empty
+        b"\x05\x00\x00",  # shorter than the length prefix
+        _header(b"{}", declared=0),  # an empty header
+        _header(b'{"a": {}}', declared=1 << 40),  # claims more than the file holds
+        _header(b"{not json"),
+        _header(b"[1, 2]"),  # JSON, not an object
+        _header(b'{"a": {"dtype": "F32"}}'),  # no data_offsets
+        _header(b'{"a": {"data_offsets": 3}}'),
+    ],
+    ids=[
+        "empty", "short", "zero-header", "oversized-header", "not-json",
+        "not-an-object", "no-offsets", "bad-offsets",
+    ],
+)  # fmt: skip
+def test_a_file_that_is_not_safetensors_raises_what_hints_skip(tmp_path, content):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(prefetch.UNREADABLE):
+        prefetch.safetensors_spans(str(path))
 
 
 class Recorder:
@@ -97,6 +132,90 @@ def test_the_pass_hints_every_input_tensor_once(model_family, tmp_path, advised)
     assert len(advised) == len(set(advised))  # no tensor hinted twice
     assert set(advised) == expected
     assert OPEN == {}  # the files the hints opened are closed
+
+
+ODD = "ünï cödé 'q' \"x\" $HOME ;" + "n" * 200  # spaces, quotes, unicode, long
+
+
+def test_hints_follow_symlinks_and_odd_long_names(model_family, tmp_path, advised):
+    """Inputs under a 230-character name with quotes, spaces and unicode, one
+    reached through a symlink: every tensor is hinted in the real file."""
+    family = model_family("prefetch-odd", tokenizer=False)
+    paths = {}
+    for name, folder in family.paths.items():
+        copy = tmp_path / f"{name} {ODD}"
+        shutil.copytree(folder, copy)
+        paths[name] = str(copy)
+    link = tmp_path / "linked beta"
+    link.symlink_to(paths["beta"], target_is_directory=True)
+    paths["beta"] = str(link)
+    plain = merge_yaml(family.yaml("ramplus"), tmp_path / "plain")
+    advised.clear()
+    odd = dataclasses.replace(family, paths=paths)
+    weights = merge_yaml(odd.yaml("ramplus"), tmp_path / f"out {ODD}")
+    assert weights.keys() == plain.keys()
+    assert all(torch.equal(weights[name], plain[name]) for name in plain)
+    expected = set()
+    for folder in paths.values():
+        file = os.path.realpath(Path(folder) / "model.safetensors")
+        spans = prefetch.safetensors_spans(file)
+        expected |= {(file, start, length) for start, length in spans.values()}
+    assert set(advised) == expected and len(advised) == len(expected)
+    assert OPEN == {}
+
+
+# The real mergekit-yaml, terminated while the read-ahead thread is in its
+# first hint (sleeping there, so the main thread handles SIGTERM meanwhile).
+TERMINATED_IN_A_HINT = """
+import os, signal, sys, time
+from mergekit.scripts.run_yaml import main
+
+real, sent = os.posix_fadvise, []
+
+
+def advise(*args):
+    if not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    real(*args)
+
+
+os.posix_fadvise = advise
+main(sys.argv[1:])
+"""
+
+
+def _hashes(*folders: Path | str) -> dict[str, str]:
+    return {
+        str(path): hashlib.sha256(path.read_bytes()).hexdigest()
+        for folder in folders
+        for path in sorted(Path(folder).rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_sigterm_during_a_hint_leaves_the_previous_merge_as_it_was(
+    model_family, tmp_path
+):
+    family = model_family("prefetch-term", tokenizer=False)
+    config = tmp_path / "ramplus.yml"
+    config.write_text(family.yaml("ramplus"), encoding="utf-8")
+    out = tmp_path / "out"
+    merge_yaml(family.yaml("ramplus"), out)  # a previous merge, and a user file
+    (out / "notes.txt").write_text("mine", encoding="utf-8")
+    before = _hashes(out, *family.paths.values())
+    child = subprocess.run(
+        [sys.executable, "-c", TERMINATED_IN_A_HINT, str(config), str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert child.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), child.stderr
+    assert "Traceback" not in child.stderr
+    assert _hashes(out, *family.paths.values()) == before
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".mergekit-ram-")]
 
 
 @pytest.mark.parametrize("failure", ["missing", "raises"])

@@ -16,8 +16,10 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import yaml
 from mergekit import merge as mergekit_merge
 from mergekit import merge_methods
+from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import MergeMethod, PerGroupValues
 from mergekit.options import MergeOptions
@@ -52,7 +54,7 @@ def run_merge(
     """
     install()
     if config_source is None:
-        config_source = merge_config.to_yaml()
+        config_source = recipe_yaml(merge_config)
     # Through the module attribute: install() put the staging wrapper there.
     mergekit_merge.run_merge(
         merge_config.model_copy(deep=True),
@@ -60,6 +62,32 @@ def run_merge(
         options=options,
         config_source=config_source,
     )
+
+
+def recipe_yaml(config: MergeConfiguration) -> str:
+    """The configuration as YAML text, for mergekit_config.yml.
+
+    mergekit 0.1.5's `to_yaml` fails on a model path holding a space or a
+    double quote (its serializer hands back the reference itself: "Circular
+    reference detected"); there, each reference is written as its text,
+    which parses back to the same reference.
+    """
+    try:
+        return config.to_yaml()
+    except ValueError:
+        dumped = config.model_dump(mode="python", exclude_defaults=True)
+        return yaml.safe_dump(_as_text(dumped), sort_keys=False)
+
+
+def _as_text(value: Any) -> Any:
+    """`value` with every ModelReference replaced by its text."""
+    if isinstance(value, ModelReference):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _as_text(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_text(item) for item in value]
+    return value
 
 
 def _method(method: str | MergeMethod) -> MergeMethod:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,8 +52,8 @@ def tensor_overlaps(
 
 # Elements per step of the chunked count: its float32 buffers stay in the CPU
 # cache, and no tensor-sized float32 copy is allocated (touching fresh pages
-# cost more than the arithmetic: the whole-tensor count of four 16.8 M-element
-# bf16 tensors took 0.75 s on one core, chunked 0.22 s, with 2^16 0.33 s).
+# costs more than the arithmetic). Measured by benchmarks/count_chunk.py;
+# docs/performance.md has its table.
 COUNT_CHUNK = 1 << 18
 
 
@@ -61,33 +62,77 @@ def _joint_histogram(
     base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> list[int]:
     """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε), counted a chunk at a time with the kernel's τ and mask."""
+    m = |τ_t| > ε), counted a chunk at a time with the kernel's τ and mask.
+
+    On CPU the chunks are shared out, in contiguous runs, among as many
+    Python threads as torch may use, each running its ops on one thread:
+    no per-op synchronisation, and a busy core only slows its own run.
+    Integer counts add up to the same totals in any order.
+    """
     flat_base = base.reshape(-1)
     flat_tasks = [task.reshape(-1) for task in tasks]
+    starts = range(0, flat_base.numel(), COUNT_CHUNK)
+    workers = 1 if base.device.type != "cpu" else torch.get_num_threads()
+    workers = max(1, min(workers, len(starts)))
+    runs = [starts[w * len(starts) // workers : (w + 1) * len(starts) // workers]
+            for w in range(workers)]  # fmt: skip
+    with _one_cpu_thread(base.device):
+        if workers == 1:
+            return _count_run(flat_base, flat_tasks, starts, epsilon).tolist()
+        with ThreadPoolExecutor(workers - 1, thread_name_prefix="count") as pool:
+            others = [
+                pool.submit(_count_run, flat_base, flat_tasks, run, epsilon)
+                for run in runs[1:]
+            ]
+            joint = _count_run(flat_base, flat_tasks, runs[0], epsilon)
+            for other in others:
+                joint += other.result()
+    return joint.tolist()
+
+
+def _count_run(
+    flat_base: torch.Tensor,
+    flat_tasks: Sequence[torch.Tensor],
+    starts: Sequence[int],
+    epsilon: float,
+) -> torch.Tensor:
+    """_joint_histogram over the chunks beginning at `starts`, in its own buffers."""
     total = flat_base.numel()
     size = max(1, min(COUNT_CHUNK, total))
-    device = base.device
-    base32 = torch.empty(size, dtype=torch.float32, device=device)
-    tau = torch.empty(size, dtype=torch.float32, device=device)
-    mask = torch.empty(size, dtype=torch.bool, device=device)
-    pattern = torch.empty(size, dtype=torch.uint8, device=device)
-    joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=device)
-    with _one_cpu_thread(device):
-        for start in range(0, total, COUNT_CHUNK):
-            stop = min(start + COUNT_CHUNK, total)
-            width = stop - start
-            chunk = base32[:width].copy_(flat_base[start:stop])
-            codes = pattern[:width].zero_()
-            for t, task in enumerate(flat_tasks):
-                changed = change_mask(
-                    task_vector_into(tau[:width], task[start:stop], chunk),
-                    epsilon,
-                    overwrite=True,
-                    out=mask[:width],
-                )
-                codes.add_(changed.view(torch.uint8), alpha=1 << t)
-            joint += torch.bincount(codes, minlength=1 << len(tasks))
-    return joint.tolist()
+    like = dict(dtype=torch.float32, device=flat_base.device)
+    base32, tau = torch.empty(size, **like), torch.empty(size, **like)
+    mask = torch.empty(size, dtype=torch.bool, device=flat_base.device)
+    pattern = torch.empty(size, dtype=torch.uint8, device=flat_base.device)
+    joint = torch.zeros(
+        1 << len(flat_tasks), dtype=torch.int64, device=flat_base.device
+    )
+    for start in starts:
+        stop = min(start + COUNT_CHUNK, total)
+        width = stop - start
+        chunk = base32[:width].copy_(flat_base[start:stop])
+        # Each mask is made into the one buffer as the pattern takes it.
+        masks = (
+            change_mask(
+                task_vector_into(tau[:width], task[start:stop], chunk),
+                epsilon,
+                overwrite=True,
+                out=mask[:width],
+            )
+            for task in flat_tasks
+        )
+        joint += _pattern_counts(masks, pattern[:width], len(flat_tasks))
+    return joint
+
+
+def _pattern_counts(
+    masks: Iterable[torch.Tensor], codes: torch.Tensor, n: int
+) -> torch.Tensor:
+    """How many elements show each of the 2^n joint patterns of `masks`
+    (bit t: mask t), built in `codes` (uint8, the masks' size)."""
+    codes.zero_()
+    for t, mask in enumerate(masks):
+        codes.add_(mask.reshape(-1).view(torch.uint8), alpha=1 << t)
+    return torch.bincount(codes, minlength=1 << n)
 
 
 def overlaps_of(
@@ -192,13 +237,8 @@ def _from_joint(
     histogram and every pairwise intersection, for one pass over a byte per
     element instead of one per task and pair.
     """
-    n = len(masks)
-    pattern = torch.zeros(masks[0].shape, dtype=torch.uint8, device=masks[0].device)
-    for t, mask in enumerate(masks):
-        pattern.add_(mask.view(torch.uint8), alpha=1 << t)
-    return _decode_joint(
-        torch.bincount(pattern.flatten(), minlength=1 << n).tolist(), n
-    )
+    codes = torch.empty(masks[0].numel(), dtype=torch.uint8, device=masks[0].device)
+    return _decode_joint(_pattern_counts(masks, codes, len(masks)).tolist(), len(masks))
 
 
 def _decode_joint(

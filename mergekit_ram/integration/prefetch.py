@@ -15,48 +15,57 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mergekit.graph import TaskHandle
+from mergekit.graph import ExecutionSchedule, TaskHandle
 from mergekit.io.tasks import LoaderCache, LoadTensor
 
 # (file, first byte, length) of one tensor's data.
 Span = tuple[str, int, int]
+# What a file that is not the safetensors it claims to be raises here; it
+# gets no hint (validation refuses truncated and corrupt files before a pass).
+UNREADABLE = (OSError, ValueError, KeyError, TypeError)
 
 
 def safetensors_spans(path: str) -> dict[str, tuple[int, int]]:
     """Each tensor's (first byte, length) in a safetensors file, from its header
     (8-byte little-endian length, then the JSON header; data follows it)."""
     with open(path, "rb") as handle:
-        (size,) = struct.unpack("<Q", handle.read(8))
+        prefix = handle.read(8)
+        size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < size <= os.fstat(handle.fileno()).st_size - 8:
+            raise ValueError(f"{path}: no safetensors header")
         header = json.loads(handle.read(size))
-    start = 8 + size
-    return {
-        name: (
-            start + entry["data_offsets"][0],
-            entry["data_offsets"][1] - entry["data_offsets"][0],
-        )
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    spans = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            first, end = entry["data_offsets"]
+            spans[name] = (8 + size + first, end - first)
+    return spans
 
 
-def loads_of(handle: TaskHandle) -> list[LoadTensor]:
-    """The LoadTensor tasks a target needs (through any gather or wrapper)."""
-    found: list[LoadTensor] = []
-    pending, seen = [handle], set()
-    while pending:
-        current = pending.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        task = current.task()
+def loads_per_group(
+    schedule: ExecutionSchedule, targets: Collection[TaskHandle]
+) -> list[list[LoadTensor]]:
+    """The LoadTensor tasks each target's group runs, in the schedule's order.
+
+    The statistics pass schedules each target right after the tasks it needs
+    that have not run yet, so a group's loads are those since the previous
+    target."""
+    groups: list[list[LoadTensor]] = []
+    current: list[LoadTensor] = []
+    for handle in schedule.tasks:
+        task = handle.task()
         if isinstance(task, LoadTensor):
-            found.append(task)
-        pending.extend(current.arguments().values())
-    return found
+            current.append(task)
+        if handle in targets:
+            groups.append(current)
+            current = []
+    return groups
 
 
 class ReadAhead:
@@ -71,11 +80,12 @@ class ReadAhead:
         """Where each load's tensor lies on disk (safetensors shards only)."""
         spans = []
         for load in loads:
-            index = LoaderCache().get(load.model).index
-            names = [load.tensor, *(load.aliases or ()), *(load.tied_names or ())]
-            name = next((n for n in names if n in index.tensor_paths), None)
+            loader = LoaderCache().get(load.model)
+            # The name the load itself will read (its own, an alias or a tied name).
+            name = load._resolve_name(loader)
             if name is None:
                 continue
+            index = loader.index
             path = os.path.join(index.base_path, index.tensor_paths[name])
             if not path.endswith(".safetensors"):
                 continue
@@ -92,7 +102,7 @@ class ReadAhead:
             return
         try:
             spans = self.spans(loads)
-        except (OSError, ValueError, KeyError, struct.error):
+        except UNREADABLE:
             return
         self._worker.submit(self._advise, spans)
 

@@ -21,7 +21,7 @@ from mergekit.io.tasks import LoaderCache
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.settings import MergeSettings, unique_scale_error
-from mergekit_ram.integration.prefetch import ReadAhead, hinted, loads_of
+from mergekit_ram.integration.prefetch import ReadAhead, hinted, loads_per_group
 
 
 def _count_task(
@@ -111,7 +111,7 @@ def collect_planned(
     targets = set(executor.targets)
     forward = [h.task() for h in executor.schedule.tasks if h in targets]
     executor.schedule = reversed_groups(executor.schedule, executor.targets)
-    upcoming = [loads_of(h) for h in executor.schedule.tasks if h in targets]
+    upcoming = loads_per_group(executor.schedule, targets)
     read_ahead = ReadAhead()
     try:
         groups = executor.run(quiet=quiet, desc=desc)
