@@ -1,15 +1,17 @@
 """How the statistics pass's chunk size affects counting one tensor group.
 
 `core.counting` counts a group's joint change pattern COUNT_CHUNK elements at
-a time, in reused float32 buffers. This times that count, in-process on one
-CPU thread (as the pass runs it), for several chunk sizes and for the
-whole-tensor count (every task's τ and mask made at full size first), on a
+a time, in reused float32 buffers, the chunks shared out among --threads
+workers (default: torch's thread count, as the pass does). This times that
+count in-process for several chunk sizes and the whole-tensor count (every
+task's τ and mask made at full size first, as before chunking), on a
 bf16 base and three sparse bf16 agents changing about 3 / 46 / 54 % of the
 elements (the paper's densities). Settings are interleaved over --repeats
 rounds; the table gives each one's median and its ratio to the shipped size.
 Every setting must give the same counts, or the script fails.
 
     python benchmarks/count_chunk.py --elements 16777216 --repeats 5
+    python benchmarks/count_chunk.py --threads 1
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--chunks", type=int, nargs="+", default=[1 << 14, 1 << 16, 1 << 18, 1 << 20]
     )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     base, tasks = group(args.elements)
     settings = {f"chunk 2^{c.bit_length() - 1}": chunked(c) for c in args.chunks}
     settings["whole tensor"] = whole_tensor
@@ -84,8 +87,9 @@ def main(argv: list[str] | None = None) -> str:
             raise SystemExit(f"{name} counted differently from the whole-tensor count")
     medians = {name: statistics.median(values) for name, values in times.items()}
     lines = [
-        f"{args.elements} elements, base + {len(tasks)} bf16 agents, one thread, "
-        f"median of {args.repeats}; counts identical in every setting",
+        f"{args.elements} elements, base + {len(tasks)} bf16 agents, "
+        f"{args.threads} thread(s), median of {args.repeats}; counts identical "
+        "in every setting",
         "",
         "| setting | seconds | × shipped |",
         "|---|---|---|",
