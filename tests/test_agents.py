@@ -25,7 +25,7 @@ from safetensors import safe_open
 AGENTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "agents"
 sys.path.insert(0, str(AGENTS_DIR))
 
-from merges import grid_points  # noqa: E402
+from merges import grid_points, in_regime_dtype  # noqa: E402
 from results import keep_earlier_regimes, spearman  # noqa: E402
 from rl import (  # noqa: E402
     completion_mask,
@@ -169,6 +169,15 @@ def test_grid_points_cover_the_product_with_weight_on_models():
         "weight": 1.0,
         "parameters": {"density": 0.3},
     }
+
+
+def test_a_float32_regime_probes_and_merges_in_float32_unless_a_merge_says():
+    assert in_regime_dtype({"method": "ram"}, "float32")["dtype"] == "float32"
+    assert in_regime_dtype({"method": "ram", "dtype": "bfloat16"}, "float32") == {
+        "method": "ram",
+        "dtype": "bfloat16",
+    }
+    assert in_regime_dtype({"method": "ram"}, None) == {"method": "ram"}
 
 
 def test_spearman_is_one_for_the_same_order_and_minus_one_reversed():
@@ -365,6 +374,12 @@ def test_smoke_agents_are_checkpoints_of_their_recipe_with_their_rl_log(smoke):
     )["config"]
     assert recipe["master"] == "bfloat16" and recipe["seed"] == 3
     assert recipe["mask"] == 0.05 and recipe["save"] == "float32"
+    # The probe reads the agents as the regime's merges do.
+    for regime, overrides in settings["regimes"].items():
+        probed = yaml.safe_load(
+            (Path(settings["work_dir"]) / regime / "probe" / "probe.yml").read_text()
+        )
+        assert probed["dtype"] == (overrides or {}).get("merge_dtype", "bfloat16")
 
 
 @pytest.mark.slow

@@ -32,6 +32,17 @@ def merge_config(spec: dict, base: Path, agents: dict[str, Path]) -> dict:
     return config
 
 
+def in_regime_dtype(spec: dict, merge_dtype: str | None) -> dict:
+    """`spec` read and written in the regime's `merge_dtype` unless it names its
+    own dtype. Float32 releases read in bf16 lose every update smaller than
+    half a bf16 ulp: the probe once did, and reported 19.8 % of the masked
+    math agent changed where 51.6 % of a 10-step run of it moved by more than
+    RAM's ε read in float32."""
+    if merge_dtype is None or "dtype" in spec:
+        return spec
+    return {**spec, "dtype": merge_dtype}
+
+
 def grid_points(spec: dict) -> list[tuple[str, dict]]:
     """Every setting of a `tuned:` entry's grid as (name, merge spec); `weight`
     is each model's weight, every other grid key a method parameter."""

@@ -25,7 +25,13 @@ from base import GGUF_FILE, build_base
 from evaluate import evaluate_model
 from filelock import FileLock
 from generation import MAX_NEW_TOKENS
-from merges import console_script, grid_points, merge_config, run_merge
+from merges import (
+    console_script,
+    grid_points,
+    in_regime_dtype,
+    merge_config,
+    run_merge,
+)
 from results import keep_earlier_regimes, write_results
 from rl import RLConfig, train_agent
 from stats import paired_bootstrap, support_statistics
@@ -176,23 +182,25 @@ def run_regime(
         recipes[task] = rl_log["config"]
     agent_keys = [keys[t] for t in TASKS]
 
+    # A regime whose agents are float32 releases is probed and merged in float32
+    # too (unless a merge names its dtype): bf16 would round their updates away.
+    merge_dtype = (settings["regimes"][regime] or {}).get("merge_dtype")
+
     probe_dir = root / "probe"
+    probe_config = merge_config(
+        in_regime_dtype({"method": "ramplus"}, merge_dtype), base_dir, agents
+    )
     cached(
         probe_dir,
-        {"agents": agent_keys},
-        lambda out: probe(merge_config({"method": "ramplus"}, base_dir, agents), out),
+        {"agents": agent_keys, "config": probe_config},
+        lambda out: probe(probe_config, out),
     )
     seconds["probe"] = stage_seconds(probe_dir)
 
     built: dict[str, tuple[Path, dict]] = {}  # every merge: fixed, then grid points
 
-    # A regime whose agents are float32 releases writes its merges in float32
-    # too (unless a merge names its dtype): bf16 would round their updates away.
-    merge_dtype = (settings["regimes"][regime] or {}).get("merge_dtype")
-
     def merge(name: str, spec: dict, out_dir: Path) -> None:
-        if merge_dtype is not None and "dtype" not in spec:
-            spec = {**spec, "dtype": merge_dtype}
+        spec = in_regime_dtype(spec, merge_dtype)
         config = merge_config(spec, base_dir, agents)
         key = {"config": config, "spec": spec, "agents": agent_keys, "seed": seed}
         cached(out_dir, key, lambda out: run_merge(spec, config, out, seed))
