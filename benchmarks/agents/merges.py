@@ -36,8 +36,7 @@ def in_regime_dtype(spec: dict, merge_dtype: str | None) -> dict:
     """`spec` read and written in the regime's `merge_dtype` unless it names its
     own dtype. Float32 releases read in bf16 lose every update smaller than
     half a bf16 ulp: the probe once did, and reported 19.8 % of the masked
-    math agent changed where 51.6 % of a 10-step run of it moved by more than
-    RAM's ε read in float32."""
+    math agent changed where 52.6 % had moved by more than RAM's ε."""
     if merge_dtype is None or "dtype" in spec:
         return spec
     return {**spec, "dtype": merge_dtype}
