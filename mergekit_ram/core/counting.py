@@ -76,17 +76,19 @@ def _joint_histogram(
     workers = max(1, min(workers, len(starts)))
     runs = [starts[w * len(starts) // workers : (w + 1) * len(starts) // workers]
             for w in range(workers)]  # fmt: skip
-    with _one_cpu_thread(base.device):
-        if workers == 1:
-            return _count_run(flat_base, flat_tasks, starts, epsilon).tolist()
-        with ThreadPoolExecutor(workers - 1, thread_name_prefix="count") as pool:
-            others = [
-                pool.submit(_count_run, flat_base, flat_tasks, run, epsilon)
-                for run in runs[1:]
-            ]
-            joint = _count_run(flat_base, flat_tasks, runs[0], epsilon)
-            for other in others:
-                joint += other.result()
+    # The calling thread counts the first run; a pool starts no thread until
+    # something is submitted, so one worker costs nothing extra.
+    with (
+        _one_cpu_thread(base.device),
+        ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="count") as pool,
+    ):
+        others = [
+            pool.submit(_count_run, flat_base, flat_tasks, run, epsilon)
+            for run in runs[1:]
+        ]
+        joint = _count_run(flat_base, flat_tasks, runs[0], epsilon)
+        for other in others:
+            joint += other.result()
     return joint.tolist()
 
 
