@@ -25,6 +25,7 @@ from safetensors import safe_open
 AGENTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "agents"
 sys.path.insert(0, str(AGENTS_DIR))
 
+from compare import main as compare_main  # noqa: E402
 from merges import grid_points, in_regime_dtype  # noqa: E402
 from results import keep_earlier_regimes, spearman  # noqa: E402
 from rl import (  # noqa: E402
@@ -89,12 +90,17 @@ def test_tool_reward_is_exact_with_partial_credit():
     assert not TASKS["tool"].correct(example, json.dumps(one_wrong))
 
 
-def test_tool_prompt_shows_the_call_shape_with_other_values():
+def test_tool_prompt_shows_the_call_form_with_typed_placeholders():
+    """No value to copy: each argument is a placeholder named for it, quoted
+    exactly when the answer is a string, so filling it in gives the call."""
     for example in take(TASKS["tool"], "test", 0, 50):
-        shown = json.loads(example.prompt.splitlines()[-1])
-        assert shown["name"] == example.answer["name"]
-        assert shown["arguments"].keys() == example.answer["arguments"].keys()
-        assert shown != example.answer
+        form = example.prompt.splitlines()[-1]
+        filled = form
+        for key, value in example.answer["arguments"].items():
+            filled = filled.replace(f"<{key}>", str(value))
+        assert "<" not in filled
+        assert json.loads(filled) == example.answer
+        assert not any(str(v) in form for v in example.answer["arguments"].values())
 
 
 def test_answered_holds_exactly_when_the_score_can_no_longer_change():
@@ -114,6 +120,33 @@ def test_paired_bootstrap_is_zero_for_a_model_against_itself_and_signed():
     better = paired_bootstrap(scores([1] * 20), scores([1, 0] * 10), 500, 0)
     assert better["difference"] == pytest.approx(0.5)
     assert 0 < better["ci95"][0] <= 0.5 <= better["ci95"][1]
+
+
+def test_paired_bootstrap_on_one_task_reads_only_that_task():
+    agent = {"tool": {"per_prompt": [1, 1, 1, 0]}}
+    base = {"tool": {"per_prompt": [0, 1, 0, 0]}}
+    gain = paired_bootstrap(agent, base, 500, 0, tasks=("tool",))
+    assert gain["difference"] == pytest.approx(0.5)
+    assert 0 <= gain["ci95"][0] < 0.5 < gain["ci95"][1] <= 1.0
+    with pytest.raises(KeyError):
+        paired_bootstrap(agent, base, 10, 0)
+
+
+def test_compare_bootstraps_cached_rows_against_the_first(tmp_path, capsys):
+    def write(directory: Path, outcomes: list[int]) -> None:
+        directory.mkdir(parents=True)
+        scores = {t: {"per_prompt": outcomes} for t in TASKS}
+        (directory / "scores.json").write_text(json.dumps(scores))
+
+    write(tmp_path / "eval" / "base", [0, 0, 1, 0])
+    write(tmp_path / "r" / "eval" / "tool_agent", [1, 1, 1, 0])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"bootstrap": {"resamples": 200}}))
+    argv = ["--config", str(config), "--work-dir", str(tmp_path), "--regime", "r"]
+    compare_main([*argv, "base", "tool agent"])
+    assert capsys.readouterr().out.startswith("tool agent − base: +50.0 points [")
+    with pytest.raises(SystemExit, match="'ram' has no test scores"):
+        compare_main([*argv, "base", "ram"])
 
 
 def _checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -335,10 +368,16 @@ def test_smoke_pipeline_writes_every_regime_row_and_the_figure(smoke):
             "math-recall",
             "tool-recall",
         }
+        assert list(block["own_task_gain"]) == list(TASKS)
+        for task, gain in block["own_task_gain"].items():
+            agent = block["rows"][f"{task} agent"][task]["accuracy"]
+            base = block["rows"]["base"][task]["accuracy"]
+            assert gain["difference"] == pytest.approx(agent - base)
         assert -1.0 <= block["retention_check"]["spearman"] <= 1.0 or math.isnan(
             block["retention_check"]["spearman"]
         )
     assert table.count("## Test accuracy") == len(settings["regimes"])
+    assert table.count("## Each agent on its own task") == len(settings["regimes"])
     png = (results / "table1.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 

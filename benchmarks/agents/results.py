@@ -107,7 +107,30 @@ def table_markdown(block: dict, prompts: int) -> str:
     lines.append(
         f"Exact accuracy % ± one binomial SE, greedy, {prompts} test prompts per task. "
         f"Last column: average-over-tasks difference from `{block['reference']}` (the "
-        "tuned baseline best on validation), paired bootstrap over the same prompts."
+        "tuned baseline best on validation; a tie goes to the first in config.yaml), "
+        "paired bootstrap over the same prompts."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def own_task_markdown(block: dict) -> str:
+    """Each agent against the base on its own task (does it learn it?)."""
+    lines = [
+        "| agent | base % | agent % | gain, points (95 % CI) |",
+        "|---|---|---|---|",
+    ]
+    for task, gain in block["own_task_gain"].items():
+        base = block["rows"]["base"][task]["accuracy"]
+        agent = block["rows"][f"{task} agent"][task]["accuracy"]
+        low, high = gain["ci95"]
+        lines.append(
+            f"| {task} | {100 * base:.1f} | {100 * agent:.1f} | "
+            f"{100 * gain['difference']:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}] |"
+        )
+    lines.append("")
+    lines.append(
+        "Exact accuracy on the agent's own task, same test prompts; gain "
+        "bootstrapped over those prompts, paired."
     )
     return "\n".join(lines) + "\n"
 
@@ -262,6 +285,11 @@ def write_results(document: dict, out_dir: Path) -> list[Path]:
             f"# {regime}\n",
             "## Test accuracy\n",
             table_markdown(block, prompts),
+            *(
+                ["## Each agent on its own task\n", own_task_markdown(block)]
+                if "own_task_gain" in block
+                else []
+            ),
             "## Baselines tuned on validation "
             f"({document['validation_prompts_per_task']} prompts per task)\n",
             grid_markdown(block),

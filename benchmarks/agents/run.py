@@ -300,6 +300,13 @@ def run_regime(
         for name in tested
         if name != reference
     }
+    # Does each agent learn its task? Its own-task gain over the base, paired.
+    own_task = {
+        task: paired_bootstrap(
+            rows[f"{task} agent"], base_test, resamples, seed, tasks=(task,)
+        )
+        for task in TASKS
+    }
     retention = block["support"]["retention"]
     block["support"]["retention"] = {
         name: retention[
@@ -314,6 +321,7 @@ def run_regime(
         "tuned": tuned,
         "reference": reference,
         "paired": paired,
+        "own_task_gain": own_task,
     }
 
 

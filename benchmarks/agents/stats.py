@@ -107,18 +107,25 @@ def support_statistics(
     }
 
 
-def paired_bootstrap(scores: dict, reference: dict, resamples: int, seed: int) -> dict:
-    """Average-over-tasks exact accuracy of `scores` minus `reference` on the same
-    prompts, with a 95 % percentile CI from resampling prompts within each task."""
+def paired_bootstrap(
+    scores: dict,
+    reference: dict,
+    resamples: int,
+    seed: int,
+    tasks: tuple[str, ...] = tuple(TASKS),
+) -> dict:
+    """Average-over-`tasks` exact accuracy of `scores` minus `reference` on the
+    same prompts, with a 95 % percentile CI from resampling prompts within each
+    task (one task: an agent's gain on its own task)."""
     generator = torch.Generator().manual_seed(seed)
     observed = 0.0
     draws = torch.zeros(resamples, dtype=torch.float64)
-    for task in TASKS:
+    for task in tasks:
         diff = torch.tensor(scores[task]["per_prompt"], dtype=torch.float64)
         diff -= torch.tensor(reference[task]["per_prompt"], dtype=torch.float64)
-        observed += diff.mean().item() / len(TASKS)
+        observed += diff.mean().item() / len(tasks)
         picks = torch.randint(len(diff), (resamples, len(diff)), generator=generator)
-        draws += diff[picks].mean(dim=1) / len(TASKS)
+        draws += diff[picks].mean(dim=1) / len(tasks)
     low, high = torch.quantile(draws, torch.tensor([0.025, 0.975], dtype=torch.float64))
     return {
         "difference": observed,

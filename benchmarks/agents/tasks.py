@@ -73,13 +73,18 @@ CITIES = (
     "Riga",
 )  # fmt: skip
 CURRENCIES = ("USD", "EUR", "JPY", "GBP", "CHF")
-# One example call per function, with other values than any request uses: the
-# prompt shows the exact call shape, the agent must fill in the request's values.
-TOOL_EXAMPLES = {
-    "get_weather": {"city": "Rome"},
-    "set_timer": {"minutes": 100},
-    "convert_currency": {"amount": 1000, "source": "AUD", "target": "CAD"},
-}
+
+
+def call_form(call: dict) -> str:
+    """The call's shape with a typed placeholder per argument, e.g.
+    `{"name": "set_timer", "arguments": {"minutes": <minutes>}}`: strings in
+    quotes, integers bare. (A form with concrete example values was copied:
+    the agents learned one argument and kept the example's other values.)"""
+    arguments = ", ".join(
+        f'"{key}": "<{key}>"' if isinstance(value, str) else f'"{key}": <{key}>'
+        for key, value in call["arguments"].items()
+    )
+    return f'{{"name": "{call["name"]}", "arguments": {{{arguments}}}}}'
 
 
 def _make_tool(rng: random.Random) -> Example:
@@ -112,12 +117,10 @@ def _make_tool(rng: random.Random) -> Example:
             "name": "convert_currency",
             "arguments": {"amount": amount, "source": source, "target": target},
         }
-    name = call["name"]
-    example = json.dumps({"name": name, "arguments": TOOL_EXAMPLES[name]})
     prompt = (
-        f"Call the function {name} for this request: {request}\n"
-        "Answer with only the JSON call, in this form (other values):\n"
-        f"{example}"
+        f"Call the function {call['name']} for this request: {request}\n"
+        "Answer with only the JSON call, in this form:\n"
+        f"{call_form(call)}"
     )
     return Example(prompt, call)
 
