@@ -14,15 +14,13 @@ import json
 from pathlib import Path
 
 import yaml
+from run import scores_dir
 from stats import paired_bootstrap
 
 
 def row_scores(work: Path, regime: str, row: str) -> dict:
     """A test row's scores.json: `base`, `<task> agent` or a merge's name."""
-    if row == "base":
-        path = work / "eval" / "base"
-    else:
-        path = work / regime / "eval" / row.replace(" ", "_")
+    path = scores_dir(work, regime, row)
     scores = path / "scores.json"
     if not scores.exists():
         raise SystemExit(f"{row!r} has no test scores under {path}: run run.py first")

@@ -69,6 +69,14 @@ def cached(out_dir: Path, key: dict, build: Callable[[Path], object]) -> dict:
     return key
 
 
+def scores_dir(work: Path, regime: str, row: str) -> Path:
+    """Where a test row's scores live: `base` (shared by the regimes), `<task>
+    agent` or a merge's name."""
+    if row == "base":
+        return work / "eval" / "base"
+    return work / regime / "eval" / row.replace(" ", "_")
+
+
 def stage_seconds(out_dir: Path) -> float | None:
     """What building out_dir took (None for stages built before this was kept)."""
     path = out_dir / "seconds.json"
@@ -257,9 +265,12 @@ def run_regime(
             )
 
     agent_rows = [
-        (f"{t} agent", agents[t], keys[t], root / "eval" / f"{t}_agent") for t in TASKS
+        (f"{t} agent", agents[t], keys[t], scores_dir(work, regime, f"{t} agent"))
+        for t in TASKS
     ]
-    fixed_rows = [(n, *built[n], root / "eval" / n) for n in settings["merges"]]
+    fixed_rows = [
+        (n, *built[n], scores_dir(work, regime, n)) for n in settings["merges"]
+    ]
     points = [(name, p) for name, grid in grids.items() for p, _point in grid]
     if reverse:
         test_rows(ordered(fixed_rows))
@@ -281,7 +292,7 @@ def run_regime(
         chosen = max(grid, key=lambda point_name: grid[point_name]["validation_mean"])
         tuned[name] = {"chosen": chosen, "grid": grid}
         tested[name] = built[f"{name} {chosen}"]
-    test_rows(ordered([(n, *tested[n], root / "eval" / n) for n in tuned]))
+    test_rows(ordered([(n, *tested[n], scores_dir(work, regime, n)) for n in tuned]))
     if not reverse:
         test_rows(fixed_rows)
     tested.update({name: built[name] for name in settings["merges"]})
@@ -404,13 +415,13 @@ def main(argv: list[str] | None = None) -> None:
     base_test = (
         None
         if evaluator is None
-        else evaluator(base_dir, base_key, work / "eval" / "base", "test")
+        else evaluator(base_dir, base_key, scores_dir(work, "", "base"), "test")
     )
     document = {
         "test_prompts_per_task": int(settings["eval"]["test"]),
         "validation_prompts_per_task": int(settings["eval"]["validation"]),
         "config": args.config,
-        "base_eval_seconds": stage_seconds(work / "eval" / "base"),
+        "base_eval_seconds": stage_seconds(scores_dir(work, "", "base")),
         "regimes": {},
     }
     for regime in regimes:
