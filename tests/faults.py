@@ -2,11 +2,15 @@
 
 `run_interrupted` starts a child that replaces the `os` module seen by
 mergekit_ram.integration.output_folder with a proxy counting every mkdir,
-rename, link, symlink, unlink, rmdir, fsync and write. At step N the child
-sends itself SIGKILL, or SIGTERM / SIGINT to an idle thread (a signal may land
-on any thread of a merge, and Python handles it in the main thread a moment
-later), then does the step. Step 0 never interrupts: the child prints how
-many steps its publish took.
+rename, replace, link, symlink, unlink, rmdir, fsync and write. At step N
+the child sends itself SIGKILL, or SIGTERM / SIGINT / SIGHUP to its main
+thread (odd N: to an idle thread, since a signal may land on any thread of
+a merge and Python then handles it in the main thread a moment later,
+perhaps only once the run is over), then does the step. Step 0 never
+interrupts: the child prints how many steps its run took.
+
+Also the helpers every publishing test shares: what of ours is left in OUT,
+and OUT's files without our folder.
 """
 
 from __future__ import annotations
@@ -18,15 +22,51 @@ import sys
 from pathlib import Path
 
 TIMEOUT = 300
-SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT")
-# A signal sent to another thread is handled a moment later, possibly once the
-# publish is over (exit 0) or its handlers restored (killed by the signal);
-# mergekit-yaml (click) turns Ctrl-C into exit 1.
+SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
+# Every counted step runs while the signals are held: a held signal ends the
+# run with 128 + its number, or the signal itself if Python handles it only
+# after the handlers were restored (and Ctrl-C raised before the merge kills
+# an uncaught-KeyboardInterrupt script with SIGINT). Never exit 0: that would
+# mean a held signal was dropped.
 EXITS = {
-    "SIGKILL": {-signal.SIGKILL},
-    "SIGTERM": {128 + signal.SIGTERM, -signal.SIGTERM, 0},
-    "SIGINT": {-signal.SIGINT, 1, 0},
+    name: {128 + getattr(signal, name), -getattr(signal, name)} for name in SIGNALS
 }
+EXITS["SIGKILL"] = {-signal.SIGKILL}
+EXITS["SIGINT"].add(1)  # mergekit-yaml is a click command: Ctrl-C is "Aborted!"
+STATE = ".mergekit-ram"  # our folder inside OUT
+MANIFEST = "manifest.json"  # the one file of ours a finished run leaves there
+
+
+def ours_left(out: Path) -> list[str]:
+    """What of ours is in or next to OUT beyond a finished merge's manifest:
+    staging, a journal, a lock, temporary files (none after a run ends)."""
+    inside = out / STATE
+    left = sorted(os.listdir(inside)) if inside.is_dir() else []
+    left = [f"{STATE}/{name}" for name in left if name != MANIFEST]
+    if inside.is_symlink() or (inside.exists() and not inside.is_dir()):
+        left.append(STATE)
+    beside = out.parent if out.parent.exists() else None
+    if beside is not None:
+        left += sorted(n for n in os.listdir(beside) if n.startswith(".mergekit-ram-"))
+    return left
+
+
+def check_exit(how: str, code: int, state: str, output: str) -> tuple[str, str, str]:
+    """A signal other than SIGKILL: how the run ended must match what OUT is."""
+    signum = getattr(signal, how)
+    assert state != "half", (how, output)
+    if code == 128 + signum:  # held, then one line and the exit status
+        said = "holds the new merge" if state == "new" else "is as it was"
+        assert said in output and "Traceback" not in output, (how, output)
+        return how, "held", state
+    if how == "SIGINT" and state == "old":  # KeyboardInterrupt before the merge
+        assert code in (-signum, 1), (how, code, output)  # click: "Aborted!", 1
+        assert "is as it was" in output, output
+        return how, "interrupted", state
+    assert code == -signum, (how, code, output)
+    assert state == "new", (how, output)  # handled once the run was over
+    return how, "late", state
+
 
 DRIVER = """
 import importlib.util, os, signal, sys, threading
@@ -42,7 +82,14 @@ if mode == "protocol":  # output_folder alone, loaded by path: starts in a blink
 else:
     import mergekit_ram.integration.output_folder as folder
 
-STEPS = ("mkdir", "rename", "link", "symlink", "unlink", "rmdir", "fsync", "write")
+if os.environ.get("FAULT_HOSTNAME"):  # every container run has a new one
+    import socket
+
+    socket.gethostname = lambda: os.environ["FAULT_HOSTNAME"]
+
+STEPS = (
+    "mkdir", "rename", "replace", "link", "symlink", "unlink", "rmdir", "fsync", "write"
+)
 idle = threading.Thread(target=threading.Event().wait, daemon=True)
 idle.start()
 
@@ -60,7 +107,10 @@ class Faulty:
             if Faulty.count == step:
                 if how == "SIGKILL":
                     os.kill(os.getpid(), signal.SIGKILL)
-                signal.pthread_kill(idle.ident, getattr(signal, how))
+                # To the main thread (handled at once) or to another one (a
+                # moment later, perhaps only once the run is over).
+                thread = idle if step % 2 else threading.main_thread()
+                signal.pthread_kill(thread.ident, getattr(signal, how))
             return real(*a, **k)
 
         return step_then
@@ -87,14 +137,24 @@ finally:
 
 
 def run_interrupted(
-    folder: Path, step: int, how: str, mode: str, args: list[str]
+    folder: Path,
+    step: int,
+    how: str,
+    mode: str,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    prefix: tuple[str, ...] = (),
+    python: str = sys.executable,
 ) -> tuple[int, str, int | None]:
-    """(exit code, output, steps counted) of one child run."""
+    """(exit code, output, steps counted) of one child run (`prefix`: e.g.
+    setpriv, to run it as another user, with a `python` that user can run)."""
     driver = folder / "fault_driver.py"
     if not driver.exists():
         driver.write_text(DRIVER, encoding="utf-8")
+        driver.chmod(0o644)
     proc = subprocess.run(
-        [sys.executable, str(driver), str(step), how, mode, *args],
+        [*prefix, python, str(driver), str(step), how, mode, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -102,6 +162,7 @@ def run_interrupted(
             **os.environ,
             "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            **(env or {}),
         },
     )
     output = proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from mergekit_ram.integration.interrupts import Terminated, interruptions
+from mergekit_ram.integration.interrupts import Interrupted, interruptions, signal_name
 
 
 @pytest.fixture(autouse=True)
@@ -18,33 +18,45 @@ def python_default_handlers():
     previous = {
         signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
         signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     }
     yield
     for signum, handler in previous.items():
         signal.signal(signum, handler)
 
 
-def test_held_outside_allowed_raised_at_the_end():
-    before = signal.getsignal(signal.SIGINT)
+@pytest.mark.parametrize("held", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_held_outside_allowed_ends_the_run_with_one_line(held, capsys):
+    """A signal held until the block ends is said in one line and exits with
+    128 + its number (130, 143, 129), whichever it was; later ones add nothing."""
+    before = signal.getsignal(held)
     steps = []
-    with pytest.raises(KeyboardInterrupt):
-        with interruptions():
-            os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(Interrupted) as caught:
+        with interruptions() as signals:
+            os.kill(os.getpid(), held)
             steps.append("after the signal")  # the step still runs
-            os.kill(os.getpid(), signal.SIGTERM)  # only the first one is raised
+            os.kill(os.getpid(), signal.SIGTERM if held != signal.SIGTERM else held)
             steps.append("after the second")
+            signals.finished = "OUT holds the new merge."
     assert steps == ["after the signal", "after the second"]
-    assert signal.getsignal(signal.SIGINT) is before
+    assert caught.value.code == 128 + held
+    assert signal.getsignal(held) is before
+    name = signal.Signals(held).name
+    assert (
+        capsys.readouterr().err == f"mergekit-ram: {name}: OUT holds the new merge.\n"
+    )
+    assert signal_name(caught.value) == name
 
 
 def test_inside_allowed_raises_at_once_and_pending_ones_on_entry():
     reached = []
-    with pytest.raises(Terminated) as caught:
+    with pytest.raises(Interrupted) as caught:
         with interruptions() as signals:
             with signals.allowed():
                 os.kill(os.getpid(), signal.SIGTERM)
                 reached.append("not reached")
     assert caught.value.code == 128 + signal.SIGTERM and not reached
+    assert signal_name(caught.value) == "SIGTERM"
     with pytest.raises(KeyboardInterrupt):
         with interruptions() as signals:
             os.kill(os.getpid(), signal.SIGINT)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import merge_yaml, read_json
+from faults import ours_left
 from safetensors.torch import save_file
 
 import mergekit_ram.integration.prefetch as prefetch
@@ -216,7 +217,7 @@ def test_sigterm_during_a_hint_leaves_the_previous_merge_as_it_was(
     assert child.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), child.stderr
     assert "Traceback" not in child.stderr
     assert _hashes(out, *family.paths.values()) == before
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".mergekit-ram-")]
+    assert ours_left(out) == []
 
 
 @pytest.mark.parametrize("failure", ["missing", "raises"])

@@ -22,7 +22,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from conftest import TaskSpec, read_json, words_for
-from faults import EXITS, SIGNALS, run_interrupted
+from faults import EXITS, SIGNALS, STATE, check_exit, ours_left, run_interrupted
 from mergekit.architecture import WeightInfo
 from mergekit.common import ImmutableMap, ModelReference
 from mergekit.config import MergeConfiguration
@@ -542,16 +542,11 @@ def complete_previous(fresh: Path, out: Path) -> None:
     assert COMPLETE <= set(os.listdir(out))
 
 
-def staging_left(out: Path) -> list[str]:
-    """Hidden staging folders or lock files next to `out`."""
-    return [n for n in os.listdir(out.parent) if n.startswith(".mergekit-ram-")]
-
-
 def assert_rerun_equals_fresh(family, fresh: Path, out: Path) -> None:
     merge(family.config_dict(), out, out_shard_size=SHARDS)
     assert weight_files(out) == weight_files(fresh)
     assert COMPLETE <= set(os.listdir(out))
-    assert not staging_left(out)
+    assert not ours_left(out)
 
 
 def _raise_on_call(monkeypatch, module, name, error, when) -> None:
@@ -589,12 +584,12 @@ FAILURES = {
         RuntimeError("card failed"),
         lambda *a: True,
     ),
-    # publishing: OUT moved aside, then moving the new merge in fails
+    # publishing: the staged merge is complete, making its journal durable fails
     "publish error": (
         mergekit_ram.integration.output_folder.os,
-        "rename",
+        "replace",
         OSError("disk full"),
-        lambda n, src, dst: src.endswith(os.path.join("staged", "out")),
+        lambda n, src, dst: src.endswith("journal.json.tmp"),
     ),
 }
 
@@ -615,7 +610,7 @@ def test_failed_rerun_leaves_the_previous_merge_byte_for_byte(
         merge(family.config_dict(), out, out_shard_size=SHARDS)
     monkeypatch.undo()
     assert hashes(out) == before
-    assert not staging_left(out)
+    assert not ours_left(out)
     assert_rerun_equals_fresh(family, fresh, out)
 
 
@@ -633,13 +628,14 @@ def older(family, tmp_path_factory):
 
 @pytest.mark.slow
 def test_mergekit_yaml_interrupted_at_every_publish_step(
-    family, fresh, older, poisoned, tmp_path, capsys
+    family, fresh, older, poisoned, tmp_path
 ):
-    """The real mergekit-yaml killed (SIGKILL), terminated (SIGTERM) or
-    interrupted (SIGINT) at every file-system step of its publish, then a
-    next merge that fails (a NaN) and one that succeeds: OUT is always exactly
-    the old merge or exactly the new one, the user's file intact, and nothing
-    of ours is left after the next run."""
+    """The real mergekit-yaml killed (SIGKILL), terminated (SIGTERM),
+    interrupted (SIGINT) or hung up on (SIGHUP) at every file-system step of
+    its publish, then a next merge that fails (a NaN) and one that succeeds:
+    OUT is exactly the old merge or exactly the new one with the user's file
+    (after SIGKILL, until the next run, possibly part of the new one without
+    config.json), and nothing of ours is left after the next run."""
     config = tmp_path / "ramplus.yml"
     config.write_text(family.yaml(), encoding="utf-8")
     notes = {"notes.txt": _relative_hashes(older)["notes.txt"]}
@@ -657,27 +653,32 @@ def test_mergekit_yaml_interrupted_at_every_publish_step(
 
     def state(out: Path) -> str:
         found = _relative_hashes(out) if out.exists() else None
-        return next((k for k, v in states.items() if v == found), f"mixed {found}")
+        name = next((k for k, v in states.items() if v == found), None)
+        if name is None and found is not None and "config.json" not in found:
+            assert found["notes.txt"] == notes["notes.txt"]
+            return "half"
+        return name or f"mixed {found}"
 
+    seen = set()
     for step in range(1, steps + 1):
         # Every step once, the signal taking turns (the protocol test in
-        # test_integration_output_folder.py sends all three at every step).
-        for how in [SIGNALS[step % len(SIGNALS)]]:
-            out = tmp_path / f"{step}-{how}" / "out"
-            shutil.copytree(older, out)
-            code, output, _ = run(step, how, out)
-            assert code in EXITS[how], (step, how, output[-2000:])
-            if how != "SIGKILL":
-                assert state(out) in ("old", "new"), (step, how, output[-2000:])
-            with pytest.raises(RAMInputError, match="NaN"):
-                merge(config_dict(family, replace={"beta": poisoned}), out)
-            assert state(out) in ("old", "new"), (step, how)
-            assert not staging_left(out), (step, how)
-            merge(family.config_dict(), out, out_shard_size=SHARDS)
-            assert state(out) == "new" and not staging_left(out), (step, how)
-            shutil.rmtree(out.parent)
-    with capsys.disabled():
-        print(f"\nmergekit-yaml interrupted at each of {steps} publish steps")
+        # test_integration_output_folder.py sends all four at every step).
+        how = SIGNALS[step % len(SIGNALS)]
+        out = tmp_path / f"{step}-{how}" / "out"
+        shutil.copytree(older, out)
+        code, output, _ = run(step, how, out)
+        assert code in EXITS[how], (step, how, output[-2000:])
+        seen.add(state(out))
+        if how != "SIGKILL":
+            check_exit(how, code, state(out), output[-2000:])
+        with pytest.raises(RAMInputError, match="NaN"):
+            merge(config_dict(family, replace={"beta": poisoned}), out)
+        assert state(out) in ("old", "new"), (step, how)
+        assert not ours_left(out), (step, how)
+        merge(family.config_dict(), out, out_shard_size=SHARDS)
+        assert state(out) == "new" and not ours_left(out), (step, how)
+        shutil.rmtree(out.parent)
+    assert {"old", "new", "half"} <= seen, seen
 
 
 # Written anew by every run (timings, the run's recipe text): compared by name.
@@ -685,13 +686,14 @@ VOLATILE = {"README.md", "ram_statistics.json", "mergekit_config.yml"}
 
 
 def _relative_hashes(folder: Path) -> dict[str, str]:
-    """sha256 of every file under folder (by presence for VOLATILE ones)."""
+    """sha256 of every file under folder but our own (by presence for
+    VOLATILE ones)."""
     return {
         str(p.relative_to(folder)): "present"
         if p.name in VOLATILE
         else hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.relative_to(folder).parts[0] != STATE
     }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from faults import ours_left
 
 import mergekit_ram.integration.output_folder
 from mergekit_ram.commands.cli import main
@@ -37,10 +38,6 @@ def hashes(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-
-
-def leftovers(out: Path) -> list[str]:
-    return [n for n in os.listdir(out.parent) if n.startswith(".mergekit-ram-")]
 
 
 def write_config(path: Path, config: dict) -> Path:
@@ -173,7 +170,7 @@ def test_failing_rerun_of_outs_own_recipe_keeps_everything(family, previous, tmp
     )
     assert result.exit_code == 2 and "NaN" in result.output
     assert hashes(out) == before
-    assert not leftovers(out)
+    assert not ours_left(out)
 
 
 # --- 3. --no-write-model-card keeps a user's README.md --------------------------
@@ -228,10 +225,10 @@ def test_second_concurrent_merge_fails_at_once_and_first_succeeds(family, tmp_pa
         holder.send_signal(signal.SIGTERM)
         holder.communicate(timeout=TIMEOUT)
     assert holder.returncode == 128 + signal.SIGTERM
-    assert not out.exists() and not leftovers(out)
+    assert not out.exists() and not ours_left(out)
     first = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
     assert first.exit_code == 0, first.output
-    assert (out / "config.json").is_file() and not leftovers(out)
+    assert (out / "config.json").is_file() and not ours_left(out)
 
 
 # --- 5. SIGTERM -------------------------------------------------------------------
@@ -270,12 +267,12 @@ def test_sigterm_mid_merge_leaves_out_as_it_was(family, previous, tmp_path):
     if line.strip() != "STALLED":
         proc.kill()
         raise AssertionError(line + proc.communicate()[1])
-    assert leftovers(out)  # the staging folder and the lock exist while it runs
+    assert ours_left(out)  # the staging folder and the lock exist while it runs
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert hashes(out) == before
-    assert not leftovers(out)
+    assert not ours_left(out)
 
 
 # --- 11. an OUT that is a file; a new OUT after a failure --------------------------
@@ -326,7 +323,7 @@ def test_output_paths_a_new_user_tries(family, tmp_path, spell, message):
     result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
     if message is None:
         assert result.exit_code == 0, result.output
-        assert (out / "config.json").is_file() and not leftovers(out)
+        assert (out / "config.json").is_file() and not ours_left(out)
     else:
         assert result.exit_code == 2, result.output
         assert result.output.startswith("Error: The output folder")

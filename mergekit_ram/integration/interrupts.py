@@ -1,4 +1,5 @@
-"""Ctrl-C and SIGTERM during a merge: at once while merging, later while publishing.
+"""Ctrl-C, SIGTERM and SIGHUP during a merge: at once while merging, later
+while publishing.
 
 Python runs signal handlers in the main thread between two bytecodes, even
 when the kernel delivered the signal to another thread (mergekit's executor
@@ -7,33 +8,54 @@ therefore does not keep a handler from raising between two publishing
 steps, and installing a handler around each step leaves gaps between them.
 `interruptions` installs one handler for the whole run: it raises only
 inside `allowed()` blocks (the merge itself) and otherwise records the
-signal, which is raised when the run is over. Standard library only.
+signal, which ends the run once the block is over: one line on stderr and
+exit status 128 + the signal's number, never a traceback. SIGHUP (a closed
+terminal, a dropped ssh session) is held like the others. Standard library
+only.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP")
+    if hasattr(signal, name)
+)
 
 
-class Terminated(SystemExit):
-    """SIGTERM during a merge: unwinds like Ctrl-C, exits with 128 + 15."""
+class Interrupted(SystemExit):
+    """A signal that ends a merge: unwinds like Ctrl-C, exits with 128 + its number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def _interruption(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(128 + signum)
+    return KeyboardInterrupt() if signum == signal.SIGINT else Interrupted(signum)
+
+
+def signal_name(error: BaseException) -> str:
+    """How a user knows the interruption that ended the run."""
+    if isinstance(error, Interrupted):
+        return signal.Signals(error.signum).name
+    return "Ctrl-C" if isinstance(error, KeyboardInterrupt) else type(error).__name__
 
 
 class Interruptions:
-    """The run's signal state: interruptible or not, and what is pending."""
+    """The run's signal state: interruptible or not, what is pending, and
+    what to say if a held signal ends the run after the block."""
 
     def __init__(self) -> None:
         self.interruptible = False
         self.pending: int | None = None
+        self.finished = "the run stops here."
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.interruptible:
@@ -44,7 +66,7 @@ class Interruptions:
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
-        """A block that Ctrl-C and SIGTERM interrupt at once (pending ones too)."""
+        """A block that these signals interrupt at once (pending ones too)."""
         if self.pending is not None:
             signum, self.pending = self.pending, None
             raise _interruption(signum)
@@ -57,9 +79,11 @@ class Interruptions:
 
 @contextmanager
 def interruptions() -> Iterator[Interruptions]:
-    """Hold Ctrl-C and SIGTERM for the block except inside `allowed()`; a held
-    one is raised when the block ends. The previous handlers are restored.
-    Outside the main thread no handler can be installed: signals act as before.
+    """Hold the handled signals for the block except inside `allowed()`; one
+    held until the block ends is reported (`finished`) and ends the run with
+    Interrupted (exit 130, 143 or 129). The previous handlers are restored
+    first. Outside the main thread no handler can be installed: signals act
+    as before.
     """
     state = Interruptions()
     if threading.current_thread() is not threading.main_thread():
@@ -76,4 +100,6 @@ def interruptions() -> Iterator[Interruptions]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if state.pending is not None:
-        raise _interruption(state.pending)
+        name = signal.Signals(state.pending).name
+        print(f"mergekit-ram: {name}: {state.finished}", file=sys.stderr, flush=True)
+        raise Interrupted(state.pending)

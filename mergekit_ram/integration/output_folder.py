@@ -1,34 +1,40 @@
-"""An output folder that is exactly the old merge or exactly the new one.
+"""Publishing a merge into OUT, file by file, touching only the merge's files.
 
-OUT is known by its identity R (symlinks and `..` resolved), so every
-spelling of one folder shares its lock and its staging. A merge is written
-into a staging folder S next to R (same file system; a short hashed name):
+OUT is the user's folder: a clone with its `.git`, notes, logs, a mount, a
+folder another program writes. A merge owns what it writes and nothing else,
+so everything of ours lives in one folder inside OUT (same file system by
+construction, one lock however OUT is spelled or mounted):
 
-    S/owner.json         token, R, pid: proof that this package made S
-    S/staged/<name>      the new merge, then the user's own files of R, linked
-    S/previous           R itself, once it has been moved aside
+    OUT/.mergekit-ram/lock           held for the whole run
+    OUT/.mergekit-ram/staged/<name>  mergekit writes the whole merge here
+    OUT/.mergekit-ram/journal.json   the publish: moves and removals, in order
+    OUT/.mergekit-ram/manifest.json  which files of OUT the last merge wrote
 
-and published by two renames of whole folders, R -> S/previous and
-S/staged/<name> -> R, each made durable (fsync) before the next step. Every
-state a kill can leave is repaired by one rule, applied under R's lock by
-the next run into R before it does anything else: if S/previous exists and R
-does not, rename S/previous back to R; then remove S. A folder is removed
-only if this rule can prove it is ours (name, token, R, owner process gone).
-Standard library and filelock only: `publishing` wraps mergekit's run_merge
-around it.
+Publishing writes the journal (made durable), then rolls it forward:
+config.json out of OUT first, the previous merge's files that the new one
+does not write removed, the staged files moved in, config.json last, then
+the manifest written and the journal removed. A crash never leaves a folder
+that loads as a model while mixed. The one recovery rule, run first by
+every run into OUT under its lock: a journal present -> finish it (every
+step is idempotent); staging without a journal -> delete it.
+
+Nothing in OUT is walked, moved or deleted unless the staged merge or the
+previous merge's manifest names it, and a named file is removed or replaced
+only while it is still the file recorded (kind, size, mtime): our state may
+come from a clone or a copy, so it is read as untrusted input (plain names,
+no symlink followed, no other device entered). Standard library and
+filelock only: `publishing` wraps mergekit's run_merge around it.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
+import logging
 import os
 import re
-import secrets
-import shutil
-import socket
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -36,16 +42,19 @@ from dataclasses import dataclass
 from filelock import FileLock, Timeout
 
 from mergekit_ram.core.weight_files import INDEX_FILES
-from mergekit_ram.integration.interrupts import interruptions
+from mergekit_ram.integration.interrupts import Interrupted, interruptions, signal_name
 
-# Files that make a folder look like a finished merge.
-MARKERS = (
-    *INDEX_FILES,
-    "ram_statistics.json",
-    "mergekit_config.yml",
-    "README.md",
-    "config.json",
-)
+LOG = logging.getLogger(__name__)
+
+STATE = ".mergekit-ram"
+LOCK = "lock"
+STAGED = "staged"
+JOURNAL = "journal.json"
+MANIFEST = "manifest.json"
+TEMPORARY = ".tmp"
+FORMAT = "mergekit-ram publish"
+VERSION = 1
+STATE_LIMIT = 16 << 20  # bytes: a journal or manifest of ours is far smaller
 # Present only in a folder a merge wrote (the recipe; global RAM+ statistics).
 MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
 # mergekit's TensorWriter names: model.safetensors, model-1.safetensors (not
@@ -53,13 +62,12 @@ MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
 WEIGHTS = re.compile(
     r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
 )
-TAG = ".mergekit-ram-"
-STAGING = re.compile(r"\.mergekit-ram-([0-9a-f]{12})-([0-9a-f]{16})")
-OWNER = "owner.json"
-PREVIOUS = "previous"
-STAGED = "staged"
-NO_LINKS = (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK)
+# Files only a merge writes, removed when a new merge into OUT does not.
+MERGE_OUTPUTS = (*MERGE_SIGNS, *INDEX_FILES)
+MODEL_CONFIG = "config.json"  # what makes a folder load as a model
 NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+# (kind, size, mtime_ns): what a file of OUT was when it was recorded.
+Identity = tuple[str, int, int]
 
 
 class OutputError(ValueError):
@@ -72,22 +80,10 @@ def previous_merge(names: set[str]) -> bool:
 
 
 def check_output(out: str) -> None:
-    """Refuse an OUT that is a file, or a folder with someone else's weights."""
-    if os.path.lexists(out) and not os.path.isdir(out):
-        raise OutputError(
-            f"The output path {out} is a file, not a folder. Choose a folder "
-            "(a new one, or one a previous merge wrote)."
-        )
-    names = set(os.listdir(out)) if os.path.isdir(out) else set()
-    mounted = sorted(n for n in names if os.path.ismount(os.path.join(out, n)))
-    if mounted:
-        raise OutputError(
-            f"The output folder {out} holds {mounted[0]}, a mount point: publishing "
-            "moves OUT's own files into the new folder by hard links, which "
-            "cannot cross file systems. Unmount it, or choose another folder."
-        )
+    """Refuse a folder with someone else's weights: the merge would mix with them."""
+    names = set(os.listdir(out))
     foreign = sorted(n for n in names if WEIGHTS.fullmatch(n))
-    if foreign and not previous_merge(names):
+    if foreign and not previous_merge(names) and not _read_manifest(out):
         raise OutputError(
             f"The output folder {out} holds model weights ({', '.join(foreign)}) "
             f"but no {MERGE_SIGNS[0]}, so no merge wrote them, and the new "
@@ -96,21 +92,7 @@ def check_output(out: str) -> None:
         )
 
 
-def carried_names(existing: set[str], new: set[str]) -> list[str]:
-    """The entries of OUT that the new OUT keeps: everything the new merge
-    does not write, less a previous merge's markers and weights (a user's
-    README.md stays unless a new model card replaces it)."""
-    stale: set[str] = set()
-    if previous_merge(existing):
-        stale = {
-            n
-            for n in existing
-            if (n in MARKERS and n != "README.md") or WEIGHTS.fullmatch(n)
-        }
-    return sorted(existing - new - stale)
-
-
-# --- OUT's identity -------------------------------------------------------------
+# --- OUT's path ---------------------------------------------------------------
 
 
 def _refuse(out: str, why: str, fix: str) -> OutputError:
@@ -118,12 +100,18 @@ def _refuse(out: str, why: str, fix: str) -> OutputError:
 
 
 def resolve_output(out: str) -> str:
-    """OUT's identity: the folder it names, symlinks and `..` resolved.
+    """The folder `out` names, symlinks and `..` resolved (a link to OUT
+    stays a link: the merge lands in its target).
 
-    Refuses, before anything is read or written, what the two renames cannot
-    publish into: a dangling symlink, a path under a file or a symlink loop, a
-    mount point (a mount point cannot be renamed).
+    Refuses, before anything is read or written, an empty path (an unset
+    shell variable would otherwise merge into the current folder), a
+    dangling symlink, a path under a file, a symlink loop and a file.
     """
+    if not out:
+        raise OutputError(
+            "The output path is empty (an unset variable in `mergekit-yaml "
+            'config.yml "$OUT"`?). Name the folder to write the merge into.'
+        )
     path = os.path.abspath(out)
     ancestor, rest = path, []
     while not os.path.lexists(ancestor):
@@ -146,22 +134,16 @@ def resolve_output(out: str) -> str:
             "Choose a folder whose parents are folders.",
         )
     resolved = os.path.join(real, *rest)
-    if not rest and os.path.isdir(resolved) and os.path.ismount(resolved):
+    if not rest and not os.path.isdir(resolved):
         raise _refuse(
             out,
-            "is a mount point, and a merge publishes by renaming the output "
-            "folder, which a mount point cannot be",
-            f"Write into a folder inside it, e.g. {os.path.join(out, 'merged')}.",
+            "is a file, not a folder",
+            "Choose a folder (a new one, or one a previous merge wrote).",
         )
     return resolved
 
 
-def _key(target: str) -> str:
-    encoded = target.encode("utf-8", "surrogateescape")
-    return hashlib.sha256(encoded).hexdigest()[:12]
-
-
-# --- durable file-system steps ---------------------------------------------------
+# --- small durable steps ------------------------------------------------------
 
 
 def _fsync(path: str) -> None:
@@ -178,257 +160,431 @@ def _fsync(path: str) -> None:
         os.close(handle)
 
 
-def _fsync_tree(root: str) -> None:
-    """fsync every regular file and folder under root, root last."""
-    for folder, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            path = os.path.join(folder, name)
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                _fsync(path)
-        _fsync(folder)
-
-
-def _remove_tree(root: str) -> None:
-    """Remove root and everything under it (links themselves, not targets)."""
-    if not os.path.isdir(root) or os.path.islink(root):
-        os.unlink(root)
-        return
-    for folder, dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            os.unlink(os.path.join(folder, name))
-        for name in dirs:
-            path = os.path.join(folder, name)
-            if os.path.islink(path):
-                os.unlink(path)
-            else:
-                os.rmdir(path)
-    os.rmdir(root)
-
-
-def _carry(source: str, destination: str) -> None:
-    """Recreate source at destination with hard links (copies where the file
-    system has none): the user's files reach the new OUT without a copy."""
-    mode = os.lstat(source).st_mode
-    if stat.S_ISLNK(mode):
-        os.symlink(os.readlink(source), destination)
-    elif stat.S_ISDIR(mode):
-        os.mkdir(destination)
-        for name in sorted(os.listdir(source)):
-            _carry(os.path.join(source, name), os.path.join(destination, name))
-        os.chmod(destination, stat.S_IMODE(mode))
-    else:
-        try:
-            os.link(source, destination)
-        except OSError as error:
-            if error.errno not in NO_LINKS:
-                raise
-            shutil.copy2(source, destination)
-
-
-# --- the lock ---------------------------------------------------------------------
-
-
-def lock_path(target: str) -> str:
-    return os.path.join(os.path.dirname(target), f"{TAG}{_key(target)}.lock")
-
-
-@contextmanager
-def locked(target: str, shown: str | None = None) -> Iterator[None]:
-    """Hold R's lock file (next to R) for the block; busy fails at once.
-
-    filelock's lock: flock on POSIX, LockFileEx on Windows (the OS drops
-    both when the holder dies), a marker file where neither exists (reclaimed
-    from a dead holder). The file is removed while still held, so a run that
-    opened it meanwhile finds it gone and does not take it.
-    """
-    path = lock_path(target)
-    lock = FileLock(path, mode=0o644, blocking=False)
+def _write_durably(path: str, document: dict) -> None:
+    """Write JSON to path through a temporary file, renamed over it once
+    durable, then make the rename durable: a reader sees all or nothing."""
+    temporary = path + TEMPORARY
+    with suppress(FileNotFoundError):
+        os.unlink(temporary)
+    data = memoryview(json.dumps(document).encode("utf-8"))
+    handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        lock.acquire()
-    except Timeout as error:  # an OSError too: first
-        raise OutputError(
-            f"Another merge is writing into {shown or target} right now (it "
-            f"holds {path}). Wait for it to finish, or choose another output "
-            "folder."
-        ) from error
-    except OSError as error:
-        raise _refuse(
-            shown or target,
-            f"cannot be published: its parent folder {os.path.dirname(target)} "
-            f"does not accept new files ({error.strerror})",
-            "A merge writes next to the output folder and renames it; choose "
-            "a folder on a writable file system where you may create files.",
-        ) from error
-    try:
-        yield
+        while data:
+            data = data[os.write(handle, data) :]
+        os.fsync(handle)
     finally:
-        with suppress(OSError):  # Windows keeps an open file: removed on release
-            os.unlink(path)
-        lock.release()
+        os.close(handle)
+    os.replace(temporary, path)
+    _fsync(os.path.dirname(path))
 
 
-# --- staging folders: made, proven ours, published, recovered ----------------------
-
-
-def _started(pid: int) -> str | None:
-    """The process's start time where the OS tells it (tells a reused pid)."""
+def _identity(path: str) -> Identity | None:
+    """What the entry at path is, never following a symlink (None: absent)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        found = os.lstat(path)
+    except FileNotFoundError:
         return None
+    mode = found.st_mode
+    kind = (
+        "file"
+        if stat.S_ISREG(mode)
+        else "link"
+        if stat.S_ISLNK(mode)
+        else "folder"
+        if stat.S_ISDIR(mode)
+        else "other"
+    )
+    return (kind, found.st_size, found.st_mtime_ns)
 
 
-def _alive(owner: dict) -> bool:
-    """Whether a staging folder's owner may still be running.
+def _plain(name: object) -> bool:
+    """A name of one entry directly in a folder: nothing that leads elsewhere."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", STATE)
+        and not any(c in name for c in "/\\\0")
+        and len(name.encode("utf-8", "surrogateescape")) <= 255
+    )
 
-    Asked under R's lock, which a live run into R would hold: the process
-    probe is a second proof where it exists. On Windows os.kill(pid, 0) is no
-    probe (it sends Ctrl-C), so the lock alone decides there.
-    """
-    if owner.get("host") != socket.gethostname():
-        return True  # another machine's (shared file system): never ours to judge
-    pid = owner.get("pid")
-    if not isinstance(pid, int) or pid <= 0 or os.name == "nt":
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+
+def _valid_identity(value: object) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 3
+        and value[0] in ("file", "link", "folder", "other")
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value[1:])
+    )
+
+
+def _remove_tree(path: str, device: int) -> None:
+    """Remove our staging at path: links themselves, never their targets;
+    a folder on another device (a mount) is left alone and refused."""
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        os.unlink(path)
+        return
+    if found.st_dev != device:
+        raise OutputError(
+            f"{path} is a mount point inside the merge's staging folder; it "
+            "was left alone. Unmount it, then run the merge again."
+        )
+    for name in os.listdir(path):
+        _remove_tree(os.path.join(path, name), device)
+    os.rmdir(path)
+
+
+def _may_replace(folder: os.stat_result, entry: os.stat_result) -> bool:
+    """In a sticky folder only an entry's owner, the folder's or root may
+    rename or remove it (the kernel's rule, asked before anything moves)."""
+    if not folder.st_mode & stat.S_ISVTX or not hasattr(os, "geteuid"):
         return True
-    recorded = owner.get("started")
-    return recorded is None or _started(pid) in (None, recorded)
+    return os.geteuid() in (0, entry.st_uid, folder.st_uid)
+
+
+# --- the state folder: lock, manifest, journal, staging -----------------------
+
+
+def _read_state(path: str) -> dict | None:
+    """A JSON document of ours at path, or None when absent or not ours
+    (a symlink, a folder, too large, not JSON, another format)."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(found.st_mode) or found.st_size > STATE_LIMIT:
+        return None
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            document = json.loads(os.read(handle, STATE_LIMIT + 1))
+        finally:
+            os.close(handle)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return None
+    return document if document.get("version") == VERSION else None
+
+
+def _read_manifest(target: str) -> dict[str, Identity]:
+    """The files the last merge into target wrote, as recorded (untrusted:
+    only plain names with a well-formed identity count)."""
+    document = _read_state(os.path.join(target, STATE, MANIFEST))
+    files = document.get("files") if document else None
+    if not isinstance(files, dict):
+        return {}
+    return {
+        name: tuple(value)
+        for name, value in files.items()
+        if _plain(name) and _valid_identity(value)
+    }
 
 
 @dataclass(frozen=True)
-class Staging:
-    """One run's staging folder for the output folder `target`."""
+class Journal:
+    """One publish: staged files to move in (each with what it replaces) and
+    previous-merge files to remove, each with the identity it must still have."""
+
+    folder: str
+    moves: tuple[tuple[str, Identity | None], ...]
+    removals: tuple[tuple[str, Identity], ...]
+    manifest: dict[str, Identity]
+
+    def document(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "folder": self.folder,
+            "moves": [[name, replaces] for name, replaces in self.moves],
+            "removals": [[name, identity] for name, identity in self.removals],
+            "manifest": self.manifest,
+        }
+
+    @classmethod
+    def parse(cls, document: dict) -> Journal | None:
+        """The journal a document holds, or None if any part is malformed."""
+        try:
+            folder = document["folder"]
+            moves = [(n, None if r is None else tuple(r)) for n, r in document["moves"]]
+            removals = [(n, tuple(i)) for n, i in document["removals"]]
+            manifest = {n: tuple(i) for n, i in document["manifest"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        names = [folder, *(n for n, _ in moves), *(n for n, _ in removals), *manifest]
+        identities = [
+            *(r for _, r in moves if r is not None),
+            *(i for _, i in removals),
+        ]
+        if not all(map(_plain, names)) or not all(
+            map(_valid_identity, [*identities, *manifest.values()])
+        ):
+            return None
+        return cls(folder, tuple(moves), tuple(removals), manifest)
+
+
+@dataclass(frozen=True)
+class OutputState:
+    """OUT and our folder inside it, for one run that holds OUT's lock."""
 
     target: str
-    root: str
+    shown: str
+    found: bool = False  # our folder was there before this run: a killed run's
 
     @property
-    def model(self) -> str:
-        """Where the merge is written (its last name is OUT's, for the card)."""
-        return os.path.join(self.root, STAGED, os.path.basename(self.target))
+    def root(self) -> str:
+        return os.path.join(self.target, STATE)
 
-    @property
-    def previous(self) -> str:
-        return os.path.join(self.root, PREVIOUS)
-
-    @classmethod
-    def create(cls, target: str) -> Staging:
-        token = secrets.token_hex(8)
-        root = os.path.join(os.path.dirname(target), f"{TAG}{_key(target)}-{token}")
-        os.mkdir(root)
-        staging = cls(target, root)
-        try:
-            staging._mark(token)
-        except BaseException:
-            staging.recover()
-            raise
-        return staging
-
-    def _mark(self, token: str) -> None:
-        root, target = self.root, self.target
-        owner = {
-            "token": token,
-            "out": target,
-            "pid": os.getpid(),
-            "started": _started(os.getpid()),
-            "host": socket.gethostname(),
-        }
-        marker = os.path.join(root, OWNER)
-        handle = os.open(f"{marker}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(handle, json.dumps(owner).encode())
-            os.fsync(handle)
-        finally:
-            os.close(handle)
-        os.rename(f"{marker}.tmp", marker)
-        os.mkdir(os.path.join(root, STAGED))
-        os.mkdir(self.model)
-        _fsync(root)
-        _fsync(os.path.dirname(target))
-
-    @classmethod
-    def found(cls, target: str, root: str) -> Staging | None:
-        """root as a staging folder of target's, if this package provably made
-        it and its owner is gone (else None: it is left alone)."""
-        match = STAGING.fullmatch(os.path.basename(root))
-        if match is None or match.group(1) != _key(target):
-            return None
-        if os.path.islink(root) or not os.path.isdir(root):
-            return None
-        names = set(os.listdir(root))
-        if names <= {f"{OWNER}.tmp"}:
-            return cls(target, root)  # killed before its marker was complete
-        try:
-            with open(os.path.join(root, OWNER), encoding="utf-8") as handle:
-                owner = json.load(handle)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(owner, dict):
-            return None
-        if owner.get("token") != match.group(2) or owner.get("out") != target:
-            return None
-        return None if _alive(owner) else cls(target, root)
-
-    def publish(self) -> None:
-        """Carry the user's files over, then the two renames, each made durable."""
-        parent = os.path.dirname(self.target)
-        if os.path.isdir(self.target):
-            existing = set(os.listdir(self.target))
-            for name in carried_names(existing, set(os.listdir(self.model))):
-                _carry(os.path.join(self.target, name), os.path.join(self.model, name))
-            os.chmod(self.model, stat.S_IMODE(os.stat(self.target).st_mode))
-        _fsync_tree(self.model)
-        _fsync(os.path.dirname(self.model))
-        if os.path.isdir(self.target):
-            os.rename(self.target, self.previous)
-            _fsync(self.root)
-            _fsync(parent)
-        os.rename(self.model, self.target)
-        _fsync(parent)
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
 
     def recover(self) -> None:
-        """The one rule: a moved-aside OUT goes back if OUT is missing; then
-        the staging folder goes (its marker last, so a kill leaves it provable)."""
-        if not os.path.isdir(self.root):
+        """The one rule: a journal present is finished; staging without one
+        (and our temporary files) is deleted."""
+        journal_path = self.path(JOURNAL)
+        if os.path.lexists(journal_path):
+            document = _read_state(journal_path)
+            journal = Journal.parse(document) if document else None
+            if journal is None:
+                raise _refuse(
+                    self.shown,
+                    f"holds {journal_path}, which is not a publishing journal "
+                    "this version of mergekit-ram wrote (it may come from a copy "
+                    "or another version); nothing was changed",
+                    "If no merge is running into it, delete that file and run again.",
+                )
+            self._finish(journal, "an earlier run's publish")
+        self.discard()
+
+    def staging(self) -> str:
+        """A fresh folder for mergekit to write the merge into; its last name
+        is OUT's, since the model card is named after it."""
+        os.mkdir(self.path(STAGED))
+        folder = os.path.basename(self.target) or "merged"
+        os.mkdir(os.path.join(self.path(STAGED), folder))
+        return os.path.join(self.path(STAGED), folder)
+
+    def plan(self, staged: str) -> Journal:
+        """The journal that publishes `staged`, checked against OUT as it is
+        now: what cannot be replaced is refused before anything moves."""
+        target = self.target
+        folder_stat = os.stat(target)
+        moves, manifest = [], {}
+        for name in sorted(os.listdir(staged), key=lambda n: (n == MODEL_CONFIG, n)):
+            identity = _identity(os.path.join(staged, name))
+            if identity is None or identity[0] != "file" or not _plain(name):
+                raise OutputError(
+                    f"mergekit wrote {name!r} into the merge as something other "
+                    "than a file; this version publishes files only. Please "
+                    "report it with your configuration."
+                )
+            replaces = _identity(os.path.join(target, name))
+            if replaces is not None and replaces[0] == "folder":
+                raise _refuse(
+                    self.shown,
+                    f"holds a folder named {name}, where the merge writes a file",
+                    "Move that folder away, or choose another output folder.",
+                )
+            self._check_replaceable(folder_stat, name)
+            moves.append((name, replaces))
+            manifest[name] = identity
+        removals = []
+        for name, identity in sorted(self.previous_files().items()):
+            if name not in manifest:
+                self._check_replaceable(folder_stat, name)
+                removals.append((name, identity))
+        return Journal(
+            os.path.basename(staged), tuple(moves), tuple(removals), manifest
+        )
+
+    def _check_replaceable(self, folder: os.stat_result, name: str) -> None:
+        try:
+            entry = os.lstat(self.out(name))
+        except FileNotFoundError:
             return
-        if os.path.isdir(self.previous) and not os.path.lexists(self.target):
-            os.rename(self.previous, self.target)
-            _fsync(os.path.dirname(self.target))
-        for name in (PREVIOUS, STAGED, f"{OWNER}.tmp"):
-            path = os.path.join(self.root, name)
-            if os.path.lexists(path):
-                _remove_tree(path)
-        if set(os.listdir(self.root)) <= {OWNER}:
-            if os.path.lexists(os.path.join(self.root, OWNER)):
-                os.unlink(os.path.join(self.root, OWNER))
-            os.rmdir(self.root)
+        if not _may_replace(folder, entry):
+            raise _refuse(
+                self.shown,
+                f"is a sticky folder and its {name} belongs to another user, so "
+                "this merge may not replace or remove it",
+                "Ask its owner to move it away, or choose another output folder.",
+            )
+
+    def previous_files(self) -> dict[str, Identity]:
+        """The files of OUT a previous merge wrote, as they are now: those its
+        manifest records unchanged, and mergekit's own output names where a
+        merge (stock or ours) left its signs."""
+        recorded = _read_manifest(self.target)
+        found = {
+            name: identity
+            for name, identity in recorded.items()
+            if identity[0] == "file" and _identity(self.out(name)) == identity
+        }
+        names = os.listdir(self.target)
+        if recorded or previous_merge(set(names)):
+            for name in names:
+                if name in MERGE_OUTPUTS or WEIGHTS.fullmatch(name):
+                    identity = _identity(self.out(name))
+                    if identity is not None and identity[0] == "file":
+                        found[name] = identity
+        return found
+
+    def out(self, name: str) -> str:
+        return os.path.join(self.target, name)
+
+    def publish(self, staged: str) -> None:
+        """Make the staged merge durable, write the journal, roll it forward."""
+        journal = self.plan(staged)
+        for name in journal.manifest:
+            _fsync(os.path.join(staged, name))
+        _fsync(staged)
+        _write_durably(self.path(JOURNAL), journal.document())
+        self._finish(journal, "the publish")
+
+    def _finish(self, journal: Journal, what: str) -> None:
+        """Roll the journal forward; a step the OS refuses is one message that
+        says where OUT stands (the journal stays for the next run)."""
+        try:
+            self.roll_forward(journal)
+        except OSError as error:
+            staged = os.path.join(self.path(STAGED), journal.folder, MODEL_CONFIG)
+            stopped = f"{what} stopped at {error.filename} ({error.strerror})"
+            if os.path.lexists(self.out(MODEL_CONFIG)) and not os.path.lexists(staged):
+                why = f"holds the new merge, but {stopped} before it was recorded"
+            else:
+                why = (
+                    f"is half-published: {stopped}, leaving part of the new merge "
+                    "and no config.json, so it does not load as a model"
+                )
+            raise _refuse(
+                self.shown,
+                why,
+                "Fix that, then run any merge into this folder again: it "
+                "finishes this publish first.",
+            ) from error
+
+    def roll_forward(self, journal: Journal) -> None:
+        """Finish a publish; running it again after any step does the rest.
+
+        A file of OUT is removed or replaced only while it is exactly what
+        the journal recorded; one that changed meanwhile is kept (and the
+        merge's file for it dropped), with a warning naming it.
+        """
+        staged = os.path.join(self.path(STAGED), journal.folder)
+        ordered = sorted(journal.moves, key=lambda move: move[0] == MODEL_CONFIG)
+        for name, replaces in ordered:
+            if name == MODEL_CONFIG and os.path.lexists(os.path.join(staged, name)):
+                if replaces is not None and _identity(self.out(name)) == replaces:
+                    os.unlink(self.out(name))  # no longer a model until the end
+        for name, identity in journal.removals:
+            if _identity(self.out(name)) == identity:
+                os.unlink(self.out(name))
+        kept = []
+        for name, replaces in ordered:
+            source = os.path.join(staged, name)
+            if not os.path.lexists(source):
+                continue  # moved in by an earlier run of this journal
+            if _identity(self.out(name)) in (None, replaces):
+                os.replace(source, self.out(name))
+            else:
+                kept.append(name)
+        _fsync(self.target)
+        manifest = {n: i for n, i in journal.manifest.items() if n not in kept}
+        document = {"format": FORMAT, "version": VERSION, "files": manifest}
+        _write_durably(self.path(MANIFEST), document)
+        os.unlink(self.path(JOURNAL))
+        _fsync(self.root)
+        if kept:
+            LOG.warning(
+                "Kept %s in %s: changed while the merge was published, so the "
+                "merge's own %s was not written there.",
+                ", ".join(kept),
+                self.shown,
+                "file" if len(kept) == 1 else "files",
+            )
+
+    def made_by_a_killed_run(self) -> bool:
+        """Whether a killed run made OUT: our folder was there before this run,
+        OUT holds nothing else and no merge was published into it."""
+        names = os.listdir(self.target)
+        no_merge = not os.path.lexists(self.path(MANIFEST))
+        return self.found and names == [STATE] and no_merge
+
+    def discard(self) -> None:
+        """Remove staging and temporary files, unless a journal still needs them."""
+        if os.path.lexists(self.path(JOURNAL)):
+            return
+        for name in (STAGED, JOURNAL + TEMPORARY, MANIFEST + TEMPORARY):
+            if os.path.lexists(self.path(name)):
+                _remove_tree(self.path(name), os.lstat(self.root).st_dev)
 
 
-def recover_stale(target: str) -> None:
-    """Repair what killed runs into target left (we hold target's lock)."""
-    parent = os.path.dirname(target)
-    for name in sorted(os.listdir(parent)):
-        path = os.path.join(parent, name)
-        if not name.startswith(TAG):
-            continue
-        staging = Staging.found(target, path)
-        if staging is not None:
-            staging.recover()
+# --- the lock -------------------------------------------------------------------
 
 
-def _created_parents(out: str) -> list[str]:
-    """OUT's missing parent folders, outermost first (made here, removed on failure)."""
+@contextmanager
+def locked(target: str, shown: str | None = None) -> Iterator[OutputState]:
+    """Hold OUT's lock (inside OUT: one lock for the folder however it is
+    spelled or mounted) for the block; busy fails at once.
+
+    filelock's lock: flock on POSIX, LockFileEx on Windows (the OS drops
+    both when the holder dies), a marker file where neither exists. On the
+    way out the lock file goes while still held (filelock retries an
+    unlinked one), and our folder with it when nothing else is in it.
+    """
+    existing = _identity(os.path.join(target, STATE))
+    state = OutputState(target, shown or target, found=existing is not None)
+    if existing is not None and existing[0] != "folder":
+        raise _refuse(
+            state.shown,
+            f"holds {state.root}, which is a {existing[0]}, not the folder "
+            "mergekit-ram keeps its lock and staging in",
+            "Remove it (nothing of a merge is in it), then run again.",
+        )
+    lock_file = _identity(state.path(LOCK))
+    if lock_file is not None and lock_file[0] != "file":
+        raise _refuse(
+            state.shown,
+            f"holds {state.path(LOCK)}, which is a {lock_file[0]}, not a lock "
+            "file mergekit-ram made",
+            "Remove it (nothing of a merge is in it), then run again.",
+        )
+    try:
+        if existing is None:
+            os.mkdir(state.root)
+        lock = FileLock(state.path(LOCK), mode=0o644, blocking=False)
+        lock.acquire()
+    except Timeout as error:  # an OSError too: first
+        raise OutputError(
+            f"Another merge is writing into {state.shown} right now (it holds "
+            f"{state.path(LOCK)}). Wait for it to finish, or choose another "
+            "output folder."
+        ) from error
+    except OSError as error:
+        raise _refuse(
+            state.shown,
+            f"does not accept new files ({error.strerror}: {error.filename})",
+            "Choose a folder on a writable file system where you may create files.",
+        ) from error
+    try:
+        yield state
+    finally:
+        with suppress(OSError):  # Windows keeps an open file: removed on release
+            os.unlink(state.path(LOCK))
+        with suppress(OSError):
+            os.rmdir(state.root)  # only when nothing of ours is left in it
+        lock.release()
+
+
+# --- a whole run --------------------------------------------------------------
+
+
+def _missing_folders(path: str) -> list[str]:
+    """path and its missing parents, outermost first (made here, removed on failure)."""
     missing = []
-    parent = os.path.dirname(out)
-    while parent and not os.path.exists(parent):
-        missing.insert(0, parent)
-        parent = os.path.dirname(parent)
+    while path and not os.path.lexists(path):
+        missing.insert(0, path)
+        parent = os.path.dirname(path)
+        path = parent if parent != path else ""
     return missing
 
 
@@ -437,7 +593,7 @@ def _no_space(error: OSError, out: str) -> OutputError:
         f"The disk is full: writing the merge for {out} failed ({error.strerror}"
         f"{', ' + error.filename if error.filename else ''}). The output folder is "
         "as it was; free space on that file system (the merge needs about the "
-        "size of one model next to the output folder) or choose another folder."
+        "size of one model in the output folder) or choose another folder."
     )
 
 
@@ -448,46 +604,56 @@ def staged_merge(
 ) -> None:
     """Run `write(staged_folder)` and publish its result into `out_path`.
 
-    Under OUT's lock, first repair what killed runs left, then `check()`,
-    then write and publish. Until the publish, OUT is as it was; the staging
-    folder (and any parent folder made for it) is removed whatever happens,
-    Ctrl-C and SIGTERM included (they interrupt the checks and the merge at
-    once, and wait while publishing); after SIGKILL the next run repairs it.
+    Under OUT's lock: first finish or remove what a killed run left, then
+    `check()`, then write and publish. Until the publish OUT is as it was;
+    this run's staging (and a folder it made for OUT) is removed whatever
+    happens. Ctrl-C, SIGTERM and SIGHUP interrupt the checks and the merge
+    at once and wait while publishing; after SIGKILL the next run finishes
+    or removes what is left.
     """
     target = resolve_output(out_path)
-    made = _created_parents(target)
-    try:
-        with interruptions() as signals:
+    made = _missing_folders(target)
+    with interruptions() as signals:
+        try:
             try:
-                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.makedirs(target, exist_ok=True)
             except OSError as error:
                 raise _refuse(
                     out_path,
                     f"cannot be created ({error.strerror})",
                     "Choose a folder on a writable file system.",
                 ) from error
-            with locked(target, out_path):
-                recover_stale(target)
+            with locked(target, out_path) as state:
+                state.recover()
+                if not made and state.made_by_a_killed_run():
+                    made = [target]  # a killed run made it: ours to remove again
                 with signals.allowed():
                     check()
                 check_output(target)
-                staging = None
                 try:
-                    staging = Staging.create(target)
+                    staged = state.staging()
                     with signals.allowed():
-                        write(staging.model)
-                    staging.publish()
+                        write(staged)
+                    state.publish(staged)
+                    signals.finished = (
+                        f"{out_path} holds the new merge; the run stops here."
+                    )
                 except OSError as error:
                     if error.errno in NO_SPACE:
                         raise _no_space(error, out_path) from error
                     raise
                 finally:
-                    if staging is not None:
-                        staging.recover()
-    except BaseException:
-        for folder in reversed(made):
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
-        raise
+                    state.discard()
+        except BaseException as error:
+            for folder in reversed(made):
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    break
+            if isinstance(error, (KeyboardInterrupt, Interrupted)):
+                print(
+                    f"mergekit-ram: {signal_name(error)}: the merge stopped; "
+                    f"{out_path} is as it was.",
+                    file=sys.stderr,
+                )
+            raise

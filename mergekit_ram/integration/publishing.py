@@ -1,13 +1,14 @@
-"""mergekit's run_merge for RAM merges: checked first, published by swap.
+"""mergekit's run_merge for RAM merges: checked first, published file by file.
 
 For `ram` / `ramplus` configurations `run_merge` is wrapped so that it
-takes OUT's lock (repairing what a killed run left), validates the
-configuration and every input's checkpoint headers, refuses an output folder
-that would change an input (OUT equal to, inside or holding an input, or
-holding a file an input reads), then lets mergekit write the whole merge into
-a private staging folder that `output_folder` publishes into out_path only
-once the merge succeeded. One `context.MergeRun` is open for the merge,
-so the planner's statistics reach the model card and nothing outlives it.
+takes OUT's lock (finishing or removing what a killed run left), validates
+the configuration and every input's checkpoint headers, refuses an output
+folder that would change an input (OUT equal to, inside or holding an input,
+or holding a file an input reads), then lets mergekit write the whole merge
+into our staging folder inside OUT, which `output_folder` publishes into
+out_path, file by file, only once the merge succeeded. One `context.MergeRun`
+is open for the merge, so the planner's statistics reach the model card and
+nothing outlives it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def refuse_input_folder(config: Any, folder: str, role: str = "output folder") -
 
 
 def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
-    """mergekit's run_merge, checked and published by swap for RAM / RAM+."""
+    """mergekit's run_merge, checked and published file by file for RAM / RAM+."""
 
     def run_merge(
         merge_config: Any,
