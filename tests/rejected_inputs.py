@@ -117,6 +117,7 @@ class Case:
     command: str = "merge"
     args: tuple[str, ...] = ()
     stage: str = "config"
+    out: str | None = None  # merge's OUT argument (default: out-<id>)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,20 @@ def _linked(ws: Workspace, name: str) -> str:
     if not link.is_symlink():
         link.symlink_to(ws.family.paths[name])
     return f"./{link.name}"
+
+
+def _loop(ws: Workspace) -> str:
+    """./loop, a symlink to itself."""
+    link = ws.root / "loop"
+    if not link.is_symlink():
+        link.symlink_to(link)
+    return "./loop"
+
+
+def _with_file(ws: Workspace, name: str, config: dict) -> dict:
+    """config, with a file ./name in the scratch directory."""
+    (ws.root / name).write_text("a file")
+    return config
 
 
 def _truncated(ws: Workspace, name: str, copy: str) -> str:
@@ -422,6 +437,33 @@ CASES: tuple[Case, ...] = (
         ("CWD/dangling", "model.safetensors is a symlink to", "does not exist"),
     ),
     Case(
+        "model-in-a-symlink-loop",
+        "a model path that is a symlink to itself",
+        lambda ws: ws.config(models=ws.models("alpha", {"model": _loop(ws)})),
+        ("./loop is (or lies under) a symlink loop", "Fix the path"),
+    ),
+    Case(
+        "empty-output-path",
+        'an empty output path (`"$OUTDIR"` unset)',
+        lambda ws: ws.config(),
+        ("output folder path is empty", "Name the folder"),
+        out="",
+    ),
+    Case(
+        "output-under-a-file",
+        "an output path under a file",
+        lambda ws: _with_file(ws, "notes.txt", ws.config()),
+        ("notes.txt/merged", "which is a file", "Choose a folder"),
+        out="notes.txt/merged",
+    ),
+    Case(
+        "report-under-a-file",
+        "`--report` under a file",
+        lambda ws: _with_file(ws, "notes.txt", ws.config()),
+        ("report folder notes.txt/report", "which is a file"),
+        args=("--report", "notes.txt/report"),
+    ),
+    Case(
         "float8-weights",
         "a task model with one float8 (F8_E4M3) tensor",
         lambda ws: ws.config(
@@ -679,7 +721,7 @@ def run_case(case: Case, ws: Workspace) -> Outcome:
     (ws.root / name).write_text(text, encoding="utf-8")
     args = [case.command, name]
     if case.command == "merge":
-        args.append(f"out-{case.id}")
+        args.append(f"out-{case.id}" if case.out is None else case.out)
     args += ["--quiet", *case.args]
     previous = os.getcwd()
     os.chdir(ws.root)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -602,3 +603,54 @@ def test_recipe_yaml_writes_any_model_path_back_as_it_parses(path):
     assert MergeConfiguration.model_validate(yaml.safe_load(text)) == config
     if " " not in path and '"' not in path:
         assert text == config.to_yaml()  # mergekit's own text where it can write it
+
+
+@pytest.mark.parametrize(
+    "config, out, says",
+    [
+        (None, "out", "merge_config is None, not a MergeConfiguration"),
+        ({"merge_method": "ram"}, "out", "merge_config is a dict, not a Merge"),
+        ("valid", None, "out_path is None, not a path"),
+        ("valid", 3, "out_path is a int, not a path"),
+    ],
+    ids=["None config", "dict config", "None path", "int path"],
+)
+def test_run_merge_refuses_what_is_not_a_configuration_or_path(
+    config, out, says, tmp_path
+):
+    """Issue 27 item 11: these ended in AttributeError / TypeError tracebacks."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    if config == "valid":
+        config = MergeConfiguration.model_validate(
+            {"merge_method": "ram", "base_model": "/b", "models": [{"model": "/t"}]}
+        )
+    with pytest.raises(RAMInputError, match=says):
+        mergekit_ram.run_merge(config, out, MergeOptions())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_merge_takes_a_bytes_path(family_f32, tmp_path):
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    config = MergeConfiguration.model_validate(family_f32.config_dict("ram"))
+    mergekit_ram.run_merge(
+        config, os.fsencode(tmp_path / "out"), MergeOptions(quiet=True)
+    )
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("base_index", [5, 2, -1])
+def test_merge_tensors_refuses_a_base_index_that_names_no_tensor(base_index):
+    tensors = [torch.zeros(3), torch.ones(3)]
+    with pytest.raises(RAMInputError, match=f"base_index {base_index} names no"):
+        mergekit_ram.merge_tensors(tensors, "ramplus", base_index=base_index)
+
+
+def test_merge_tensors_refuses_ids_that_do_not_match_the_tensors():
+    with pytest.raises(RAMInputError, match="2 tensors but 3 ids"):
+        mergekit_ram.merge_tensors(
+            [torch.zeros(3), torch.ones(3)], "ram", ids=["a", "b", "c"], base_index=0
+        )

@@ -165,6 +165,26 @@ def test_dangling_symlink_reported_as_such(family, tmp_path):
     assert "which does not exist" in message and "lm_head" not in message
 
 
+def test_unreadable_file_reported_as_such(family, tmp_path, monkeypatch):
+    """Issue 27 item 11: a file without read permission was "No such file …
+    truncated, corrupt". (As root chmod cannot take the permission away: the
+    refusal the OS gives a user is stood in for.)"""
+    import mergekit_ram.core.headers as headers
+
+    task = copy_task(family, tmp_path)
+    real_open = open
+
+    def refuse(path, *args, **kwargs):
+        if str(path) == str(task / "model.safetensors"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(headers, "open", refuse, raising=False)
+    message = refused(family, tmp_path, task)
+    assert "model.safetensors cannot be read (Permission denied)" in message
+    assert "chmod a+r" in message and "corrupt" not in message
+
+
 def with_extra(task: Path, tensors: dict[str, torch.Tensor]) -> None:
     state = load_file(str(task / "model.safetensors"))
     state.update(tensors)

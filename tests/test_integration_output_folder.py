@@ -276,7 +276,7 @@ def test_a_changed_file_is_never_replaced_while_publishing(
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda t: None, "output path is empty"),
+        (lambda t: None, "folder path is empty"),
         (lambda t: os.symlink(t / "nowhere", t / "out"), "symlink to nothing"),
         (lambda t: (t / "file").write_text("x"), "which is a file"),
         (lambda t: os.symlink(t / "loop", t / "loop"), "symlink loop"),
@@ -291,7 +291,7 @@ def test_unpublishable_paths_are_refused_before_anything(
     make(tmp_path)
     monkeypatch.chdir(tmp_path)
     out = {
-        "output path is empty": "",
+        "folder path is empty": "",
         "symlink to nothing": "out",
         "which is a file": "file/out",
         "symlink loop": "loop/x/out",

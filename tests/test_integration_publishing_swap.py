@@ -328,3 +328,102 @@ def test_output_paths_a_new_user_tries(family, tmp_path, spell, message):
         assert result.exit_code == 2, result.output
         assert result.output.startswith("Error: The output folder")
         assert message in result.output and "Traceback" not in result.output
+
+
+# --- issue 27: a merge touches only its own files --------------------------------
+
+
+def test_an_empty_output_path_merges_nowhere(family, tmp_path, monkeypatch):
+    """Item 7: `mergekit-ram merge cfg.yml "$OUTDIR"` with OUTDIR unset used
+    to replace the current folder; now it is one Error and nothing is written
+    (also through stock mergekit-yaml)."""
+    from mergekit.scripts.run_yaml import main as mergekit_yaml
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('mine')")
+    config = write_config(project / "ram.yml", family.config_dict("ram"))
+    monkeypatch.chdir(project)
+    before = hashes(project)
+    for command, args in ((main, ["merge"]), (mergekit_yaml, [])):
+        result = CliRunner().invoke(command, [*args, str(config), "", "--quiet"])
+        assert result.exit_code == 2, result.output
+        assert "Error: The output folder path is empty" in result.output
+        assert hashes(project) == before and sorted(os.listdir(project)) == [
+            "ram.yml",
+            "train.py",
+        ]
+
+
+def test_a_rerun_without_the_tokenizer_leaves_none_of_the_old_one(family, tmp_path):
+    """Item 10: merge A, then B with --no-copy-tokenizer: OUT holds exactly B
+    and the user's files, not A's tokenizer files."""
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    tokenizer = {n for n in os.listdir(out) if n.startswith("tokenizer")}
+    assert tokenizer, os.listdir(out)
+    (out / "notes.txt").write_text("mine")
+    (out / "tokenizer_notes.md").write_text("the user's, not the merge's")
+    args = ["merge", str(config), str(out), "--quiet", "--no-copy-tokenizer"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert not tokenizer & set(os.listdir(out))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "tokenizer_notes.md").read_text() == "the user's, not the merge's"
+    assert ours_left(out) == []
+
+
+@pytest.mark.parametrize("command", ["merge", "analyze"])
+def test_a_report_folder_under_a_file_is_refused_before_the_merge(
+    family, tmp_path, command
+):
+    """Item 11: `--report` / `analyze --out` under a file was a traceback
+    after the whole merge."""
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    (tmp_path / "afile").write_text("x")
+    args = [command, str(config)]
+    args += [str(tmp_path / "out"), "--report"] if command == "merge" else ["--out"]
+    result = CliRunner().invoke(main, [*args, str(tmp_path / "afile" / "r"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert "Error: The report folder" in result.output and "which is a file" in (
+        result.output
+    )
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_a_report_on_a_full_disk_is_one_error_after_a_complete_merge(family, tmp_path):
+    point = tmp_path / "small"
+    point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(point)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        (point / "filler").write_bytes(b"\0" * 12_000)
+        config = write_config(tmp_path / "ram.yml", family.config_dict("ramplus"))
+        out = tmp_path / "out"
+        args = ["merge", str(config), str(out), "--report", str(point / "r")]
+        result = CliRunner().invoke(main, [*args, "--quiet"])
+        assert result.exit_code == 2, result.output
+        assert "Error: Writing the report into" in result.output
+        assert "No space left on device" in result.output
+        assert "Traceback" not in result.output
+        assert (out / "config.json").is_file() and ours_left(out) == []
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_a_model_folder_in_a_symlink_loop_is_named_as_such(family, tmp_path):
+    """Item 11: it was reported as "does not exist"."""
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    config = family.config_dict("ram")
+    config["models"][0]["model"] = str(tmp_path / "loop")
+    path = write_config(tmp_path / "ram.yml", config)
+    result = CliRunner().invoke(main, ["merge", str(path), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "is (or lies under) a symlink loop" in result.output

@@ -12,6 +12,7 @@ take integer / bool buffers from the base model, as a config merge does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -53,15 +54,46 @@ def run_merge(
     weight is read, by the run_merge wrapper (integration.publishing).
     """
     install()
+    _expect("merge_config", merge_config, MergeConfiguration, CONFIG_HINT)
+    _expect("options", options, MergeOptions, "MergeOptions() for the defaults")
+    if not isinstance(out_path, (str, bytes, os.PathLike)):
+        raise RAMInputError(
+            f"run_merge: out_path is {_kind(out_path)}, not a path. Pass the "
+            "folder to write the merge into, e.g. './merged'."
+        )
     if config_source is None:
         config_source = recipe_yaml(merge_config)
     # Through the module attribute: install() put the staging wrapper there.
     mergekit_merge.run_merge(
         merge_config.model_copy(deep=True),
-        out_path,
+        os.fsdecode(out_path),
         options=options,
         config_source=config_source,
     )
+
+
+CONFIG_HINT = (
+    "MergeConfiguration.model_validate(yaml.safe_load(text)), or "
+    "MergeConfiguration.model_validate(a_dict)"
+)
+
+
+def _kind(value: Any) -> str:
+    """A value's type as a message names it: None, a dict, a numpy.ndarray."""
+    if value is None:
+        return "None"
+    kind = type(value)
+    name = kind.__qualname__
+    return (
+        f"a {name}" if kind.__module__ == "builtins" else f"a {kind.__module__}.{name}"
+    )
+
+
+def _expect(name: str, value: Any, kind: type, hint: str) -> None:
+    if not isinstance(value, kind):
+        raise RAMInputError(
+            f"run_merge: {name} is {_kind(value)}, not a {kind.__name__}. Pass {hint}."
+        )
 
 
 def recipe_yaml(config: MergeConfiguration) -> str:
@@ -128,15 +160,8 @@ def _check_inputs(
     dtype torch computes in. `where` and the label name it in the message."""
     for label, tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
-            kind = type(tensor)
-            kind = (
-                kind.__qualname__
-                if kind.__module__ == "builtins"
-                else (f"{kind.__module__}.{kind.__qualname__}")
-            )
-            kind = "None" if tensor is None else f"a {kind}"
             raise RAMInputError(
-                f"{where}: {label} is {kind}, not a torch.Tensor. Pass "
+                f"{where}: {label} is {_kind(tensor)}, not a torch.Tensor. Pass "
                 "tensors (torch.as_tensor converts a list or numpy array)."
             )
         if tensor.is_meta:
@@ -232,6 +257,17 @@ def merge_tensors(
     """
     method = _method(method)
     ids = list(range(len(tensors))) if ids is None else list(ids)
+    if len(ids) != len(tensors):
+        raise RAMInputError(
+            f"merge_tensors: {len(tensors)} tensors but {len(ids)} ids. Give "
+            "one id per tensor, or none."
+        )
+    if base_index is not None and not 0 <= base_index < len(tensors):
+        raise RAMInputError(
+            f"merge_tensors: base_index {base_index} names no tensor: there are "
+            f"{len(tensors)} (indices 0 to {len(tensors) - 1}). Pass the base "
+            "tensor's position in `tensors`, or None."
+        )
     ours = isinstance(method, RAMMerge)
     _check_inputs(
         "merge_tensors", ((f"input {i}", t) for i, t in zip(ids, tensors)), ours

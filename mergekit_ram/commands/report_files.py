@@ -9,13 +9,31 @@ from typing import Any
 
 from mergekit_ram.commands import figures
 from mergekit_ram.commands.render import REPORT_JSON, render_markdown
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.results import strict_json
 
 REPORT_MD = "report.md"
 
 
 def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
-    """Write report.json, the figures and report.md; returns (paths, message)."""
+    """Write report.json, the figures and report.md; returns (paths, message).
+
+    A folder that cannot take them (a full disk, no permission) is one
+    RAMInputError naming it: the report was shown above, nothing else is lost.
+    """
+    try:
+        return _write(report, out_dir)
+    except OSError as error:
+        raise RAMInputError(
+            f"Writing the report into {out_dir} failed ({error.strerror}"
+            f"{': ' + str(error.filename) if error.filename else ''}). The report "
+            "is printed above (and a merge written before it is complete); "
+            "free space or choose another folder for --report / --out, then "
+            "run the command again."
+        ) from error
+
+
+def _write(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, REPORT_JSON)]
     with open(paths[0], "w", encoding="utf-8") as handle:

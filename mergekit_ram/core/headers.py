@@ -110,7 +110,8 @@ def _not_regular(path: str) -> str | None:
 
 
 def regular_file(path: str, role: str, model: str) -> None:
-    """Refuse `path` unless it is a regular file, before anything opens it."""
+    """Refuse `path` unless it is a regular file this process may read,
+    before anything opens it."""
     kind = _not_regular(path)
     if kind is not None:
         raise RAMInputError(
@@ -118,6 +119,15 @@ def regular_file(path: str, role: str, model: str) -> None:
             "regular file belongs. Put the real file there (or fix the link); "
             "the merge has not started."
         )
+    try:
+        with open(path, "rb"):
+            pass  # a regular file: opening it never blocks
+    except OSError as error:
+        raise RAMInputError(
+            f"{role} {model}: {os.path.basename(path)} cannot be read "
+            f"({error.strerror}). Give the user running the merge read access "
+            "to it (e.g. chmod a+r); the merge has not started."
+        ) from None
 
 
 def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:

@@ -11,6 +11,7 @@ checkpoint's headers and index, a few kilobytes per file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -48,6 +49,21 @@ def model_references(
             yield role, reference
 
 
+def _unreachable(path: str) -> str | None:
+    """Why a local path that is not a folder cannot be one (None: it is
+    simply missing): a symlink loop, a dangling symlink, no permission."""
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is (or lies under) a symlink loop"
+        if os.path.islink(path):
+            return f"is a symlink to {os.readlink(path)}, which does not exist"
+        if error.errno != errno.ENOENT:
+            return f"cannot be reached ({error.strerror})"
+    return None
+
+
 def check_reference(
     reference: ModelReference, role: str, cache_dir: str | None
 ) -> None:
@@ -72,10 +88,11 @@ def check_location(
             f"{role}: {path} is a file; mergekit needs the model's directory "
             "(config.json and its weights)."
         )
-    if not is_repo_id(path):
+    unreachable = _unreachable(path)
+    if unreachable or not is_repo_id(path):
         raise RAMInputError(
-            f"{role}: {path} does not exist{_relative_to(path)}. Fix the path, "
-            "or create the model there first."
+            f"{role}: {path} {unreachable or 'does not exist'}"
+            f"{_relative_to(path)}. Fix the path, or create the model there first."
         )
     if hub_reachable():
         return  # mergekit downloads it

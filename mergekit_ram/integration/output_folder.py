@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from filelock import FileLock, Timeout
 
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.weight_files import INDEX_FILES
 from mergekit_ram.integration.interrupts import Interrupted, interruptions, signal_name
 
@@ -70,7 +71,7 @@ NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 Identity = tuple[str, int, int]
 
 
-class OutputError(ValueError):
+class OutputError(RAMInputError):
     """An output folder a merge must not write into, or one that is busy."""
 
 
@@ -95,22 +96,23 @@ def check_output(out: str) -> None:
 # --- OUT's path ---------------------------------------------------------------
 
 
-def _refuse(out: str, why: str, fix: str) -> OutputError:
-    return OutputError(f"The output folder {out} {why}. {fix}")
+def _refuse(out: str, why: str, fix: str, role: str = "output folder") -> OutputError:
+    return OutputError(f"The {role} {out} {why}. {fix}")
 
 
-def resolve_output(out: str) -> str:
+def resolve_output(out: str, role: str = "output folder") -> str:
     """The folder `out` names, symlinks and `..` resolved (a link to OUT
     stays a link: the merge lands in its target).
 
     Refuses, before anything is read or written, an empty path (an unset
     shell variable would otherwise merge into the current folder), a
     dangling symlink, a path under a file, a symlink loop and a file.
+    `role` names the folder in the message (a report folder is checked so).
     """
     if not out:
         raise OutputError(
-            "The output path is empty (an unset variable in `mergekit-yaml "
-            'config.yml "$OUT"`?). Name the folder to write the merge into.'
+            f"The {role} path is empty (an unset variable in `mergekit-yaml "
+            f'config.yml "$OUT"`?). Name the folder to write into.'
         )
     path = os.path.abspath(out)
     ancestor, rest = path, []
@@ -126,12 +128,15 @@ def resolve_output(out: str) -> str:
             why = f"is (or lies under) {ancestor}, a symlink to nothing"
         else:
             why = f"cannot be resolved ({error.strerror})"
-        raise _refuse(out, why, "Fix the path or choose another folder.") from error
+        raise _refuse(
+            out, why, "Fix the path or choose another folder.", role
+        ) from error
     if rest and not os.path.isdir(real):
         raise _refuse(
             out,
             f"lies under {ancestor}, which is a file",
             "Choose a folder whose parents are folders.",
+            role,
         )
     resolved = os.path.join(real, *rest)
     if not rest and not os.path.isdir(resolved):
@@ -139,6 +144,7 @@ def resolve_output(out: str) -> str:
             out,
             "is a file, not a folder",
             "Choose a folder (a new one, or one a previous merge wrote).",
+            role,
         )
     return resolved
 

@@ -21,7 +21,7 @@ from mergekit_ram.core.paths import output_conflict
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.errors import ClickInputError
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.output_folder import OutputError, staged_merge
+from mergekit_ram.integration.output_folder import staged_merge
 from mergekit_ram.integration.validation import validate_config
 
 
@@ -83,7 +83,7 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
                 )
         except ClickInputError:
             raise
-        except (RAMInputError, OutputError) as error:
+        except RAMInputError as error:
             # mergekit-yaml is a click command: print it as `Error: ...`, exit 2.
             raise ClickInputError(str(error)) from error
 
