@@ -34,15 +34,17 @@ EXITS = {
 EXITS["SIGKILL"] = {-signal.SIGKILL}
 EXITS["SIGINT"].add(1)  # mergekit-yaml is a click command: Ctrl-C is "Aborted!"
 STATE = ".mergekit-ram"  # our folder inside OUT
-MANIFEST = "manifest.json"  # the one file of ours a finished run leaves there
+MANIFEST = "manifest.json"  # what a finished run leaves there: the manifest,
+GITIGNORE = ".gitignore"  # and a .gitignore that keeps our folder out of git
 
 
 def ours_left(out: Path) -> list[str]:
-    """What of ours is in or next to OUT beyond a finished merge's manifest:
+    """What of ours is in or next to OUT beyond a finished merge's manifest
+    and .gitignore:
     staging, a journal, a lock, temporary files (none after a run ends)."""
     inside = out / STATE
     left = sorted(os.listdir(inside)) if inside.is_dir() else []
-    left = [f"{STATE}/{name}" for name in left if name != MANIFEST]
+    left = [f"{STATE}/{n}" for n in left if n not in (MANIFEST, GITIGNORE)]
     if inside.is_symlink() or (inside.exists() and not inside.is_dir()):
         left.append(STATE)
     beside = out.parent if out.parent.exists() else None

@@ -149,7 +149,23 @@ def test_publish_replaces_the_old_merge_and_keeps_user_files(previous, tmp_path)
     assert user_tree(previous) == user
     assert set(manifest(previous)) == set(NEW)
     assert ours_left(previous) == []
-    assert os.listdir(previous / STATE) == [MANIFEST]
+    assert sorted(os.listdir(previous / STATE)) == [".gitignore", MANIFEST]
+
+
+def test_a_git_clone_commits_none_of_our_state(previous):
+    """OUT is often a clone of the model's hub repository: `git add -A`
+    takes the merge and leaves our folder out."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    shutil.rmtree(previous / ".git")
+    git = ["git", "-C", str(previous), "-c", "user.name=u", "-c", "user.email=u@x"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    staged_merge(str(previous), writer(NEW))
+    subprocess.run([*git, "add", "-A"], check=True)
+    listed = subprocess.run(
+        [*git, "ls-files"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert "config.json" in listed and not [n for n in listed if STATE in n]
 
 
 def test_a_file_the_user_changed_since_the_merge_wrote_it_is_kept(previous):

@@ -9,6 +9,7 @@ construction, one lock however OUT is spelled or mounted):
     OUT/.mergekit-ram/staged/<name>  mergekit writes the whole merge here
     OUT/.mergekit-ram/journal.json   the publish: moves and removals, in order
     OUT/.mergekit-ram/manifest.json  which files of OUT the last merge wrote
+    OUT/.mergekit-ram/.gitignore     `*`: git leaves our folder out of a commit
 
 Publishing writes the journal (made durable), then rolls it forward:
 config.json out of OUT first, the previous merge's files that the new one
@@ -52,6 +53,7 @@ LOCK = "lock"
 STAGED = "staged"
 JOURNAL = "journal.json"
 MANIFEST = "manifest.json"
+GITIGNORE = ".gitignore"  # keeps our folder out of `git add -A` in a cloned OUT
 TEMPORARY = ".tmp"
 FORMAT = "mergekit-ram publish"
 VERSION = 1
@@ -497,6 +499,9 @@ class OutputState:
         manifest = {n: i for n, i in journal.manifest.items() if n not in kept}
         document = {"format": FORMAT, "version": VERSION, "files": manifest}
         _write_durably(self.path(MANIFEST), document)
+        if not os.path.lexists(self.path(GITIGNORE)):  # OUT may be a git clone
+            with open(self.path(GITIGNORE), "x", encoding="utf-8") as handle:
+                handle.write("# mergekit-ram's own state: never part of the model\n*\n")
         os.unlink(self.path(JOURNAL))
         _fsync(self.root)
         if kept:
