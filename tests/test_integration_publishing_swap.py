@@ -427,3 +427,15 @@ def test_a_model_folder_in_a_symlink_loop_is_named_as_such(family, tmp_path):
     result = CliRunner().invoke(main, ["merge", str(path), str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert "is (or lies under) a symlink loop" in result.output
+
+
+def test_a_merge_without_card_can_be_merged_over(family, tmp_path):
+    """`--no-write-model-card` writes no mergekit_config.yml; the manifest
+    says the weights are a merge's, so the same command runs twice."""
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    args = ["merge", str(config), str(out), "--quiet", "--no-write-model-card"]
+    for _ in range(2):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    assert "mergekit_config.yml" not in os.listdir(out) and ours_left(out) == []
