@@ -71,6 +71,11 @@ MODEL_CONFIG = "config.json"  # what makes a folder load as a model
 NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 # (kind, size, mtime_ns): what a file of OUT was when it was recorded.
 Identity = tuple[str, int, int]
+KINDS = (
+    (stat.S_ISREG, "file"),
+    (stat.S_ISLNK, "link"),
+    (stat.S_ISDIR, "folder"),
+)
 
 
 class OutputError(RAMInputError):
@@ -192,16 +197,7 @@ def _identity(path: str) -> Identity | None:
         found = os.lstat(path)
     except FileNotFoundError:
         return None
-    mode = found.st_mode
-    kind = (
-        "file"
-        if stat.S_ISREG(mode)
-        else "link"
-        if stat.S_ISLNK(mode)
-        else "folder"
-        if stat.S_ISDIR(mode)
-        else "other"
-    )
+    kind = next((k for test, k in KINDS if test(found.st_mode)), "other")
     return (kind, found.st_size, found.st_mtime_ns)
 
 
@@ -263,10 +259,8 @@ def _read_state(path: str) -> dict | None:
         return None
     try:
         handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            document = json.loads(os.read(handle, STATE_LIMIT + 1))
-        finally:
-            os.close(handle)
+        with os.fdopen(handle, "rb") as reader:
+            document = json.loads(reader.read(STATE_LIMIT + 1))
     except (OSError, ValueError):
         return None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
@@ -367,7 +361,8 @@ class OutputState:
         """A fresh folder for mergekit to write the merge into; its last name
         is OUT's, since the model card is named after it."""
         os.mkdir(self.path(STAGED))
-        folder = os.path.basename(self.target) or "merged"
+        folder = os.path.basename(self.target)
+        folder = folder if _plain(folder) else "merged"  # `/`, or OUT named like ours
         os.mkdir(os.path.join(self.path(STAGED), folder))
         return os.path.join(self.path(STAGED), folder)
 
@@ -544,21 +539,17 @@ def locked(target: str, shown: str | None = None) -> Iterator[OutputState]:
     """
     existing = _identity(os.path.join(target, STATE))
     state = OutputState(target, shown or target, found=existing is not None)
-    if existing is not None and existing[0] != "folder":
-        raise _refuse(
-            state.shown,
-            f"holds {state.root}, which is a {existing[0]}, not the folder "
-            "mergekit-ram keeps its lock and staging in",
-            "Remove it (nothing of a merge is in it), then run again.",
-        )
-    lock_file = _identity(state.path(LOCK))
-    if lock_file is not None and lock_file[0] != "file":
-        raise _refuse(
-            state.shown,
-            f"holds {state.path(LOCK)}, which is a {lock_file[0]}, not a lock "
-            "file mergekit-ram made",
-            "Remove it (nothing of a merge is in it), then run again.",
-        )
+    for path, wanted, what in (
+        (state.root, "folder", "the folder mergekit-ram keeps its lock and staging in"),
+        (state.path(LOCK), "file", "a lock file mergekit-ram made"),
+    ):
+        found = _identity(path)
+        if found is not None and found[0] != wanted:
+            raise _refuse(
+                state.shown,
+                f"holds {path}, which is a {found[0]}, not {what}",
+                "Remove it (nothing of a merge is in it), then run again.",
+            )
     try:
         if existing is None:
             os.mkdir(state.root)
