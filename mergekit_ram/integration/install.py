@@ -72,14 +72,19 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section to mergekit's model card, list a RAM
-    merge's models in the configuration's order, and keep the card's hub
-    lookup from failing or stalling a finished RAM merge offline."""
+    """Add the RAM+ statistics section to mergekit's model card; for a RAM
+    merge, name its variant and the base model's licence and list its models
+    in the configuration's order; and keep the card's hub lookup from failing
+    or stalling a finished RAM merge offline."""
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
     from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.planner import statistics_for_card
-    from mergekit_ram.integration.results import card_section, in_config_order
+    from mergekit_ram.integration.results import (
+        card_section,
+        described_card,
+        in_config_order,
+    )
 
     original = getattr(merge, "generate_card", None)
     if not callable(original):
@@ -110,9 +115,12 @@ def patch_card(merge: ModuleType) -> None:
             return False
 
     def generate_card(config, config_yaml, name=None):
-        if is_ours(config.merge_method):
+        ours = is_ours(config.merge_method)
+        if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
+        if ours:
+            card = described_card(card, config)
         run = current_run()
         unlinked = sorted(set(run.unlinked if run is not None else ()))
         if unlinked:
