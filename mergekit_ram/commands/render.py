@@ -338,7 +338,7 @@ def _header(report: Mapping[str, Any]) -> list[str]:
         f"Task vectors of {len(report['tasks'])} task model(s) against "
         f"{report['base_model']} ({report['method']} configuration)",
         f"{report['num_tensors']} tensors, {report['num_elements']:,} elements; "
-        f"epsilon = {report['epsilon']:g}; λ rule: r = {report['r']:g}, "
+        f"epsilon = {report['epsilon']:g}; λ: r = {report['r']:g}, "
         f"{_rule(report).saturation_text()}, {report['statistics']} statistics",
     ]
     if not is_ours(report["method"]):
