@@ -231,3 +231,16 @@ def test_licence_of_a_hub_base_comes_from_the_local_cache(monkeypatch, tmp_path)
     )
     assert base_license(config) == "llama3.2"
     assert asked == [("org/base", "README.md", "v1")]
+
+
+def test_no_licence_for_a_hub_id_the_cache_refuses(monkeypatch):
+    from huggingface_hub.errors import HFValidationError
+
+    def refuse(repo, filename, revision=None):
+        raise HFValidationError(f"bad repo id {repo}")
+
+    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", refuse)
+    config = MergeConfiguration.model_validate(
+        {"merge_method": "ram", "base_model": "org/base", "models": [{"model": "a/b"}]}
+    )
+    assert base_license(config) is None

@@ -11,14 +11,8 @@ from typing import Any
 from mergekit_ram.commands.analysis import PAPER_R, Analysis
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
 from mergekit_ram.core.naming import MODULES, labels_for, layer_of, module_of
-from mergekit_ram.core.regime import (
-    METHODS,
-    changed_per_tensor,
-    expected_unique,
-    pairwise,
-    ratio,
-    retentions,
-)
+from mergekit_ram.core.pairs import changed_per_tensor, pairwise
+from mergekit_ram.core.regime import METHODS, expected_unique, ratio, retentions
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.verdict import verdict_of
 from mergekit_ram.integration.results import statistics_document, with_survival

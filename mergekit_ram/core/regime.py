@@ -16,12 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
-
-if TYPE_CHECKING:  # counting imports this module
-    from mergekit_ram.core.counting import OverlapStatistics
 
 # Methods whose retention is reported, in report order.
 METHODS = ("ram", "ramplus", "ta_mean", "ta_sum")
@@ -81,51 +77,6 @@ def jaccard(intersection: float, changed_s: float, changed_t: float) -> float:
     """I / (C_s + C_t − I); 0 when both masks are empty."""
     union = changed_s + changed_t - intersection
     return intersection / union if union else 0.0
-
-
-def changed_per_tensor(
-    stats: OverlapStatistics, ids: Sequence[Hashable]
-) -> list[tuple[int, list[int]]]:
-    """Per tensor: (elements, each task's changed count), the groups the
-    expectations above take."""
-    groups = []
-    for per_task in stats.per_tensor.values():
-        if not per_task:
-            continue
-        elements = next(iter(per_task.values())).elements
-        groups.append(
-            (elements, [per_task[i].changed if i in per_task else 0 for i in ids])
-        )
-    return groups
-
-
-def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any]:
-    """N×N intersections |m_s ∧ m_t| and Jaccard overlaps, in `ids` order, and
-    what independent supports with the same per-tensor densities would give."""
-    n = len(ids)
-    changed = [stats.tasks[i].changed for i in ids]
-    inter = [
-        [
-            changed[s] if s == t else stats.tasks[a].intersections.get(b, 0)
-            for t, b in enumerate(ids)
-        ]
-        for s, a in enumerate(ids)
-    ]
-    expected = expected_intersections(changed_per_tensor(stats, ids), n)
-
-    def matrix(cell: Any) -> list[list[Any]]:
-        return [[cell(s, t) for t in range(n)] for s in range(n)]
-
-    return {
-        "models": [str(i) for i in ids],
-        "intersection": inter,
-        "jaccard": matrix(lambda s, t: jaccard(inter[s][t], changed[s], changed[t])),
-        "expected_intersection": expected,
-        "lift": matrix(lambda s, t: ratio(inter[s][t], expected[s][t])),
-        "expected_jaccard": matrix(
-            lambda s, t: jaccard(expected[s][t], changed[s], changed[t])
-        ),
-    }
 
 
 @dataclass

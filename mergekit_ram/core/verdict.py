@@ -24,7 +24,8 @@ from typing import Any
 
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.naming import labels_for
-from mergekit_ram.core.regime import pairwise, ratio, retentions
+from mergekit_ram.core.pairs import pairwise
+from mergekit_ram.core.regime import ratio, retentions
 
 # A pair overlaps when its lift (observed overlap / the overlap of independent
 # supports) is at least this, and avoids each other at most its inverse; a

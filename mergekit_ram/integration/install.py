@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 import _mergekit_ram_autoload as autoload
 
@@ -186,7 +187,7 @@ def patch_out_config(merge: ModuleType) -> None:
         return
     logger = logging.getLogger("transformers.configuration_utils")
 
-    def _model_out_config(*args, **kwargs):
+    def _model_out_config(*args: Any, **kwargs: Any) -> Any:
         quiet = _DtypeDeprecation()
         logger.addFilter(quiet)
         try:

@@ -223,15 +223,15 @@ def base_license(config: MergeConfiguration) -> str | None:
         return None
     location = config.base_model.model
     readme = os.path.join(location.path, "README.md")
-    if not os.path.isdir(location.path):
-        cached = huggingface_hub.try_to_load_from_cache(
-            location.path, "README.md", revision=location.revision
-        )
-        readme = cached if isinstance(cached, str) else ""
     try:
+        if not os.path.isdir(location.path):
+            cached = huggingface_hub.try_to_load_from_cache(
+                location.path, "README.md", revision=location.revision
+            )
+            readme = cached if isinstance(cached, str) else ""
         with open(readme, encoding="utf-8") as handle:
             text = handle.read()
-    except OSError:
+    except (OSError, ValueError):  # no such file; not a valid hub id
         return None
     front = front_matter(text)
     value = None if front is None else front[0].get("license")
