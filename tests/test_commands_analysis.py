@@ -931,3 +931,25 @@ def test_notes_only_where_the_numbers_say_them(case):
         assert "lift ≈ 1" not in text
     else:
         assert "nested: at least 90 % of one agent's changes" in text
+
+
+def test_unique_share_notes_name_only_the_tasks_far_from_expected():
+    from mergekit_ram.commands.render import unique_share_notes
+
+    def task(label, observed, expected):
+        return {
+            "label": label,
+            "unique_share": observed,
+            "expected_unique_share": expected,
+        }
+
+    notes = unique_share_notes(
+        [task("a", 0.19, 0.188), task("b", 0.1, 0.5), task("c", 0.9, 0.5)]
+    )
+    assert notes == [
+        "Far below expected for b: their changes pile up on elements other tasks "
+        "change too.",
+        "Far above expected for c: their changes avoid the elements other tasks "
+        "change.",
+    ]
+    assert unique_share_notes([task("a", 0.19, 0.188), task("d", None, None)]) == []

@@ -126,8 +126,8 @@ def pair_supports(lift: float | None, inside: float) -> str:
 def unique_share_departure(
     observed: float | None, expected: float | None
 ) -> str | None:
-    """ "below" / "above" when a unique share is a factor OVERLAPPING below or
-    above its expectation for independent supports; None otherwise."""
+    """Whether a unique share is a factor OVERLAPPING below or above its
+    expectation for independent supports: "below", "above" or None."""
     if observed is None or expected is None:
         return None
     if observed * OVERLAPPING <= expected:
