@@ -51,8 +51,9 @@ class TaskSpec:
     density: fraction of each tensor's elements changed, varied per tensor by
     a random factor in [1 - skew, 1 + skew] (different for every task, so
     per-tensor and whole-model overlap ratios differ).
-    subset_of: change only (about half of) the elements that task changes, so
-    this task has no unique element.
+    subset_of: change only (about `share` of) the elements that task changes,
+    so this task has no unique element, unless `plus` > 0: then it also
+    changes about that fraction of each tensor's elements at random.
     identical: a byte copy of the base checkpoint.
     words: the task's own vocabulary (default: the base's).
     """
@@ -61,6 +62,8 @@ class TaskSpec:
     density: float = 0.1
     skew: float = 0.9
     subset_of: str | None = None
+    share: float = 0.5
+    plus: float = 0.0
     identical: bool = False
     words: tuple[str, ...] | None = None
 
@@ -276,7 +279,12 @@ def build_family(
             tensor = start[name]
             if spec.subset_of is not None:
                 other = supports[spec.subset_of][name]
-                keep = other[torch.rand(other.numel(), generator=generator) < 0.5]
+                keep = other[
+                    torch.rand(other.numel(), generator=generator) < spec.share
+                ]
+                if spec.plus:
+                    extra = _random_support(tensor.numel(), spec.plus, generator)
+                    keep = torch.cat([keep, extra]).unique()
             else:
                 factor = 1.0 + spec.skew * (
                     2 * float(torch.rand(1, generator=generator)) - 1

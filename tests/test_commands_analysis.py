@@ -19,6 +19,7 @@ import reference
 import torch
 import yaml
 from click.testing import CliRunner
+from conftest import TaskSpec
 from safetensors.torch import load_file, save_file
 
 import mergekit_ram.integration.statistics_pass
@@ -29,6 +30,7 @@ from mergekit_ram.commands.report import SCHEMA_VERSION
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.naming import MODULES, layer_of, module_of
+from mergekit_ram.core.verdict import NESTED, OVERLAPPING
 
 EPSILON = 1e-5
 AGENTS = (
@@ -77,6 +79,7 @@ TOP_KEYS = {
     "per_layer": list,
     "sweep": list,
     "retention": (dict, type(None)),
+    "verdict": dict,
 }
 LOCAL_KEYS = {"mean", "unique_weighted_mean", "min", "max", "tensors"}
 PAIR_KEYS = {
@@ -88,6 +91,7 @@ PAIR_KEYS = {
     "expected_jaccard",
 }
 RETENTION_KEYS = {"methods", "ramplus", "ta_mean_weight"}
+VERDICT_KEYS = {"sentence", "supports", "diluted", "pairs"}
 METHODS = ["ram", "ramplus", "ta_mean", "ta_sum"]
 
 
@@ -465,6 +469,15 @@ def test_report_json_schema(analyzed, merged):
     for task in report["tasks"]:
         assert list(task["retention"]) == METHODS
         assert all(type(v) is float for v in task["retention"].values())
+    verdict = report["verdict"]
+    assert set(verdict) == VERDICT_KEYS
+    assert isinstance(verdict["sentence"], str) and verdict["sentence"]
+    assert verdict["supports"] in {"independent", "overlapping", "nested", "disjoint"}
+    assert set(verdict["diluted"]) <= {t["model"] for t in report["tasks"]}
+    assert len(verdict["pairs"]) == n * (n - 1) // 2
+    for entry in verdict["pairs"]:
+        assert set(entry) == {"models", "supports", "inside"}
+        assert 0.0 <= entry["inside"] <= 1.0
     for group, field in (("per_module", "module"), ("per_layer", "layer")):
         for entry in report[group]:
             assert set(entry) == {field, "tensors", "elements", "tasks"}
@@ -830,3 +843,113 @@ def test_parse_r_values():
         with pytest.raises(ValueError):
             parse_r_values(bad)
     assert math.isclose(parse_r_values("1e-1")[0], 0.1)
+
+
+# --- the verdict on agents built to each case ---------------------------------
+
+CASES = {
+    # Like the paper's agents: independent supports, one sparse agent whose
+    # changes mostly land on elements a dense agent changes too.
+    "independent": (
+        TaskSpec("coder", density=0.03),
+        TaskSpec("tools", density=0.45),
+        TaskSpec("memory", density=0.55),
+    ),
+    # Two agents changing 60 % of a third's elements, plus a few of their own.
+    "overlapping": (
+        TaskSpec("alpha", density=0.3),
+        TaskSpec("beta", subset_of="alpha", share=0.6, plus=0.08),
+        TaskSpec("gamma", subset_of="alpha", share=0.6, plus=0.08),
+    ),
+    # One agent's changes are a subset of the other's.
+    "nested": (TaskSpec("wide", density=0.3), TaskSpec("inner", subset_of="wide")),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, model_family, tmp_path_factory):
+    """`mergekit-ram analyze --out` on one case: (case, family, output, report,
+    report.md)."""
+    family = model_family(f"verdict-{request.param}", CASES[request.param])
+    root = tmp_path_factory.mktemp(f"verdict-{request.param}")
+    config = root / "config.yml"
+    config.write_text(family.yaml("ramplus"), encoding="utf-8")
+    output = invoke("analyze", config, "--out", root / "report", "--quiet")
+    markdown = (root / "report" / "report.md").read_text(encoding="utf-8")
+    return request.param, family, output, read(root / "report" / REPORT_JSON), markdown
+
+
+def flat(text: str) -> str:
+    """Text with its line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_verdict_says_which_case_and_which_agent(case):
+    name, family, output, report, markdown = case
+    verdict = report["verdict"]
+    sentence = verdict["sentence"]
+    assert f"Verdict: {sentence}" in flat(output)
+    assert f"**Verdict:** {sentence}" in markdown
+    assert verdict["supports"] == name
+    assert sentence.startswith(f"supports {name} (")
+    kept = {t["model"]: t["retention"]["ram"] for t in report["tasks"]}
+    lift = [v for row in report["pairwise"]["lift"] for v in row]
+    if name == "independent":
+        assert all(1 / OVERLAPPING < v < OVERLAPPING for v in lift)
+        assert verdict["diluted"] == [family.paths["coder"]]
+        assert "RAM would dilute coder (it keeps " in sentence
+        assert "try `shared: ties`" in sentence
+    elif name == "overlapping":
+        assert min(v for v in lift if v != 1.0) >= OVERLAPPING
+        # All three keep about half, within a few percent of each other.
+        assert set(verdict["diluted"]) == set(kept)
+        assert verdict["diluted"][0] == min(kept, key=kept.__getitem__)
+        assert "RAM would dilute every agent about equally" in sentence
+        assert "try tuned task arithmetic / TIES / DARE" in sentence
+    else:
+        (pair,) = verdict["pairs"]
+        assert pair["inside"] >= NESTED
+        assert verdict["diluted"] == [family.paths["inner"]]
+        assert "100 % of inner's changes lie inside wide's" in sentence
+        assert "RAM would dilute inner (it keeps " in sentence
+
+
+def test_notes_only_where_the_numbers_say_them(case):
+    """The unique-share note and the meaning of lift appear only for the
+    cases the numbers show."""
+    name, _family, output, report, _markdown = case
+    text = flat(output)
+    piled = "changes pile up on elements other tasks change too"
+    if name == "independent":
+        assert piled not in text
+        assert "lift ≈ 1: independent supports" in text
+        assert f"lift ≥ {OVERLAPPING:g}" not in text
+    elif name == "overlapping":
+        labels = [t["label"] for t in report["tasks"]]
+        assert f"Far below expected for {', '.join(labels)}: their {piled}" in text
+        assert f"lift ≥ {OVERLAPPING:g}: overlapping supports" in text
+        assert "lift ≈ 1" not in text
+    else:
+        assert "nested: at least 90 % of one agent's changes" in text
+
+
+def test_unique_share_notes_name_only_the_tasks_far_from_expected():
+    from mergekit_ram.commands.render import unique_share_notes
+
+    def task(label, observed, expected):
+        return {
+            "label": label,
+            "unique_share": observed,
+            "expected_unique_share": expected,
+        }
+
+    notes = unique_share_notes(
+        [task("a", 0.19, 0.188), task("b", 0.1, 0.5), task("c", 0.9, 0.5)]
+    )
+    assert notes == [
+        "Far below expected for b: their changes pile up on elements other tasks "
+        "change too.",
+        "Far above expected for c: their changes avoid the elements other tasks "
+        "change.",
+    ]
+    assert unique_share_notes([task("a", 0.19, 0.188), task("d", None, None)]) == []

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -88,3 +89,72 @@ def test_cli_demo_without_out_removes_its_folder_on_error(monkeypatch, tmp_path)
     result = CliRunner().invoke(main, ["demo"])
     assert result.exit_code != 0
     assert os.listdir(tmp_path) == []
+
+
+def snapshot(root) -> dict[str, tuple[bytes, int]]:
+    """Every file under `root`: its bytes and modification time."""
+    found = {}
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as handle:
+                found[path] = (handle.read(), os.stat(path).st_mtime_ns)
+    return found
+
+
+def refused(out) -> str:
+    result = CliRunner().invoke(main, ["demo", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: ") and result.output.count("\n") == 1
+    return result.output
+
+
+@pytest.mark.parametrize(
+    "own",
+    [("models/coder/config.json", "ramplus.yml"), ("merged/notes.txt",)],
+)
+def test_demo_refuses_a_folder_holding_what_it_would_write(tmp_path, own):
+    """A user's own models/coder/, ramplus.yml or merged/: one Error paragraph
+    naming them, and every file as it was, nothing added."""
+    for name in own:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"the user's {name}")
+    (tmp_path / "unrelated.txt").write_text("kept")
+    before = snapshot(tmp_path)
+    output = refused(tmp_path)
+    for name in own:
+        assert str(tmp_path / name.split("/")[0]) in output
+    assert "nothing was written" in output
+    assert snapshot(tmp_path) == before
+
+
+def test_demo_refuses_a_model_folder(family_f32, tmp_path):
+    model = tmp_path / "coder"
+    shutil.copytree(family_f32.paths["alpha"], model)
+    before = snapshot(model)
+    output = refused(model)
+    assert "is a model folder" in output and "config.json" in output
+    assert snapshot(model) == before
+
+
+def test_demo_refuses_a_file(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    assert "is a file, not a folder" in refused(target)
+    assert target.read_text() == "mine"
+
+
+def test_demo_writes_into_a_folder_with_other_files(tmp_path):
+    """Like `--out .` in the repository: other files stay; the demo adds only
+    its three entries."""
+    (tmp_path / "README.md").write_text("mine")
+    before = snapshot(tmp_path)
+    run_demo(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [
+        "README.md",
+        "merged",
+        "models",
+        "ramplus.yml",
+    ]
+    assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before

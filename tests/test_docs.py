@@ -48,3 +48,15 @@ def test_reference_exists(where, dotted):
         resolve(dotted)
     except (ImportError, AttributeError) as error:
         pytest.fail(f"{where} names {dotted}, which does not exist: {error}")
+
+
+def test_rho_is_null_by_one_rule_everywhere():
+    """outputs.md says what report_schema.md says: null only when U = 0 and
+    S > 0 (ρ = ∞), which is what integration.results.task_rows writes."""
+    rule = "U = 0 and S > 0"
+    schema = (DOCS / "report_schema.md").read_text(encoding="utf-8").splitlines()
+    (row,) = [line for line in schema if line.startswith("| `rho` |")]
+    assert rule in row
+    outputs = " ".join((DOCS / "outputs.md").read_text(encoding="utf-8").split())
+    said = re.findall(r"`rho` is `null`[^.;]*", outputs)
+    assert said and all(rule in s for s in said)

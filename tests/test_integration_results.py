@@ -1,13 +1,16 @@
-"""mergekit_ram.integration.results: strict JSON (issue finding 10) and the
-model card's RAM+ section and model order (issue 18)."""
+"""mergekit_ram.integration.results: strict JSON (issue finding 10), the
+model card's RAM+ section and model order (issue 18), and its variant
+heading, licence, verdict and repository address (issue 30)."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
@@ -15,7 +18,13 @@ import mergekit_ram
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.integration.results import card_section, strict_json
+from mergekit_ram.integration import results
+from mergekit_ram.integration.results import (
+    base_license,
+    card_section,
+    strict_json,
+    variant,
+)
 
 
 def test_report_json_is_strict():
@@ -25,23 +34,33 @@ def test_report_json_is_strict():
     assert math.isfinite(strict_json(2.0))
 
 
-def test_card_section_says_what_each_number_is():
+def worked_example(inner_products: bool = False) -> OverlapStatistics:
     """docs/spec.md's worked example: C = [3, 3, 2] of 8, U = [1, 1, 1]."""
     taus = {
         "t1": [0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0],
         "t2": [0, 0.4, 0.4, 0, 0, -0.1, 0, 0],
         "t3": [0, 0, 0.6, 0.7, 0, 0, 0, 1e-6],
     }
-    stats = OverlapStatistics(epsilon=1e-5)
+    stats = OverlapStatistics(epsilon=1e-5, inner_products=inner_products)
     stats.add("w", torch.zeros(8), {t: torch.tensor(v) for t, v in taus.items()})
-    settings = MergeSettings(
-        epsilon=1e-5, r=0.1, alpha=2.0, saturation="clip", statistics="global"
+    return stats
+
+
+def settings_with(saturation: str) -> MergeSettings:
+    return MergeSettings(
+        epsilon=1e-5, r=0.1, alpha=2.0, saturation=saturation, statistics="global"
     )
+
+
+def test_card_section_says_what_each_number_is():
+    stats = worked_example()
+    settings = settings_with("clip")
     tally = SurvivalTally()
     tally.add("t1", 4, 1, "bfloat16")
     card = card_section(settings, stats, stats.scales(settings.rule), tally)
 
     assert "pypi.org" not in card and "not on PyPI" in card
+    assert "(epsilon = 1e-05, r = 0.1, clip rule, alpha = 2)" in card
     assert "| t1 | 37.50 % | 33.33 % | 66.67 % | 2.0000 | 1.2000 | 25.0 % |" in card
     assert "| t3 | 25.00 % | 50.00 % | 50.00 % | 1.0000 | 1.1000 | – |" in card
     legend = {
@@ -81,3 +100,147 @@ def test_card_lists_models_in_config_order(order, family_f32, tmp_path):
     paths = [family.paths[name] for name in order]
     assert models_merged(card) == paths
     assert statistics_rows(card, paths) == paths
+
+
+def test_soft_rule_card_does_not_list_alpha():
+    """The soft rule, λ = 1 + r·S/C, does not use alpha (docs/spec.md)."""
+    stats = worked_example()
+    settings = settings_with("soft")
+    card = card_section(settings, stats, stats.scales(settings.rule))
+    assert "(epsilon = 1e-05, r = 0.1, soft rule)" in card
+    assert "alpha" not in card.split("|", 1)[0]
+
+
+@pytest.mark.parametrize("inner_products", [False, True])
+def test_card_carries_the_verdict(inner_products):
+    """With the inner products (merge --report) the card's verdict names the
+    agent RAM dilutes; a merge's own pass has none, and it says where to look."""
+    stats = worked_example(inner_products)
+    settings = settings_with("clip")
+    card = card_section(settings, stats, stats.scales(settings.rule))
+    (line,) = [x for x in card.splitlines() if x.startswith("**Verdict:** ")]
+    if inner_products:
+        assert "RAM would dilute" in line
+    else:
+        assert "run mergekit-ram analyze on this configuration" in line
+
+
+def test_card_gives_the_repository_the_package_declares(monkeypatch):
+    class Declared:
+        def get_all(self, _name):
+            return ["Documentation, https://docs.example", "Repository, https://r.ex"]
+
+    stats = worked_example()
+    settings = settings_with("clip")
+    card = card_section(settings, stats, stats.scales(settings.rule))
+    assert "installed from a clone of its repository" in card  # none declared
+    monkeypatch.setattr(results.metadata, "metadata", lambda _name: Declared())
+    card = card_section(settings, stats, stats.scales(settings.rule))
+    assert "not on PyPI: install it from its repository, https://r.ex" in card
+
+
+VARIANTS = [
+    ("ramplus", {}, "RAM+ (global statistics, clip rule, `shared: mean`)"),
+    (
+        "ramplus",
+        {"statistics": "tensor", "saturation": "soft"},
+        "RAM+ (tensor-local statistics, soft rule, `shared: mean`)",
+    ),
+    ("ram", {"shared": "ties"}, "RAM (`shared: ties`)"),
+    ("ram", {"shared": "base"}, "RAM (`shared: base`)"),
+    ("ram", {"r": 0.1}, "RAM+ (global statistics, clip rule, `shared: mean`)"),
+    (
+        "ram",
+        {"shared": [{"filter": "mlp", "value": "ties"}, {"value": "mean"}]},
+        "RAM (shared varies per tensor)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "parameters", "name"), VARIANTS)
+def test_variant_names_what_the_configuration_merges_with(
+    method, parameters, name, family_f32
+):
+    config = family_f32.config_dict(method, parameters=parameters or None)
+    assert variant(MergeConfiguration.model_validate(config)) == name
+
+
+def base_with_card(family, tmp_path, card: str | None):
+    """A copy of the family's base, with this README.md (none for None)."""
+    base = tmp_path / "base"
+    shutil.copytree(family.base, base)
+    if card is not None:
+        (base / "README.md").write_text(card, encoding="utf-8")
+    return str(base)
+
+
+def test_card_heading_and_licence_of_a_merge(family_f32, tmp_path):
+    """A tensor-local RAM+ merge's card names its variant in the Merge Method
+    heading and the base model's licence in its metadata."""
+    base = base_with_card(
+        family_f32, tmp_path, "---\nlicense: apache-2.0\ntags: [x]\n---\n# Base\n"
+    )
+    config = family_f32.config_dict(
+        "ramplus", parameters={"statistics": "tensor"}, base_model=base
+    )
+    out = tmp_path / "out"
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(config), str(out), MergeOptions(quiet=True)
+    )
+    card = (out / "README.md").read_text(encoding="utf-8")
+    heading = (
+        "### Merge Method: RAM+ (tensor-local statistics, clip rule, `shared: mean`)"
+    )
+    assert heading in card.splitlines()
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["license"] == "apache-2.0"
+    assert metadata["tags"] == ["mergekit", "merge"]  # mergekit's, as it wrote them
+
+
+@pytest.mark.parametrize(
+    "card",
+    [
+        None,
+        "# No front matter\nlicense: mit\n",
+        "---\ntags: [x]\n---\n",
+        "---\nlicense: [a, b]\n---\n",
+    ],
+)
+def test_no_licence_where_the_base_card_states_none(card, family_f32, tmp_path):
+    base = base_with_card(family_f32, tmp_path, card)
+    config = family_f32.config_dict("ramplus", base_model=base)
+    assert base_license(MergeConfiguration.model_validate(config)) is None
+
+
+def test_licence_of_a_hub_base_comes_from_the_local_cache(monkeypatch, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("---\nlicense: llama3.2\n---\n", encoding="utf-8")
+    asked = []
+
+    def cached(repo, filename, revision=None):
+        asked.append((repo, filename, revision))
+        return str(readme)
+
+    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", cached)
+    config = MergeConfiguration.model_validate(
+        {
+            "merge_method": "ram",
+            "base_model": "org/base@v1",
+            "models": [{"model": "org/agent"}],
+        }
+    )
+    assert base_license(config) == "llama3.2"
+    assert asked == [("org/base", "README.md", "v1")]
+
+
+def test_no_licence_for_a_hub_id_the_cache_refuses(monkeypatch):
+    from huggingface_hub.errors import HFValidationError
+
+    def refuse(repo, filename, revision=None):
+        raise HFValidationError(f"bad repo id {repo}")
+
+    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", refuse)
+    config = MergeConfiguration.model_validate(
+        {"merge_method": "ram", "base_model": "org/base", "models": [{"model": "a/b"}]}
+    )
+    assert base_license(config) is None

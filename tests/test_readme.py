@@ -297,3 +297,26 @@ def test_every_readme_command_block_runs_in_order_in_a_fresh_shell(tmp_path):
     assert re.search(r"mergekit-ram \d+\.\d+\.\d+", output)
     assert (checkout / "merged" / "ram_statistics.json").is_file()
     assert (checkout / "report" / "report.json").is_file()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_heading_is_left_empty(page):
+    """Every heading has text under it before the next heading."""
+    lines = [x for x in page.read_text(encoding="utf-8").splitlines() if x.strip()]
+    fences = 0
+    for line, following in zip(lines, lines[1:] + ["# (end)"]):
+        fences += line.startswith("```")
+        if fences % 2 == 0 and re.match(r"#{1,6} ", line):
+            assert not re.match(r"#{1,6} ", following), f"empty section: {line}"
+
+
+def test_example_configs_sentence_names_each_file_once_with_a_separator():
+    """Each config in the list is followed by ',' / ' and ' / '.', so no two
+    items run together."""
+    start = README.index("`example_configs/` holds")
+    sentence = " ".join(README[start : README.index("They point at", start)].split())
+    named = re.findall(r"\(`(\w+\.yml)`[^)]*\)(.{0,5})", sentence)
+    files = sorted(p.name for p in (ROOT / "example_configs").glob("*.yml"))
+    assert sorted(name for name, _ in named) == files
+    for name, after in named:
+        assert re.match(r"(,|\.| and )", after), f"no separator after {name}"

@@ -82,9 +82,9 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
     configuration of another merge method is planned as `ramplus` with no
     global parameters: the same tensors, inputs and gather tasks.
     """
+    from mergekit import merge as mergekit_merge
     from mergekit.architecture import get_architecture_info
     from mergekit.io.tasks import LoaderCache
-    from mergekit.merge import _model_out_config
     from mergekit.plan import MergePlanner
     from tqdm import tqdm
 
@@ -101,7 +101,8 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
     arch_info = get_architecture_info(config, options)
     loader_cache = LoaderCache()
     loader_cache.setup(options=options)
-    out_config = _model_out_config(
+    # Through the module attribute: install() wrapped it (patch_out_config).
+    out_config = mergekit_merge._model_out_config(
         config, arch_info, trust_remote_code=options.trust_remote_code
     )
     for model in tqdm(

@@ -5,7 +5,9 @@ whose task vectors are sparse with overlapping supports (densities near the
 paper's agents), writes a YAML, runs the stock `mergekit-yaml` command
 in-process (the path users take, our methods arriving through the autoload
 hook or the import above), then reports what the statistics pass saw and
-checks the merged model loads with transformers.
+checks the merged model loads with transformers. With --out it writes only
+what it creates there (MODELS, CONFIG, MERGED) and refuses a folder where any
+of them already exists, or that is itself a model, before writing anything.
 """
 
 from __future__ import annotations
@@ -16,9 +18,47 @@ import tempfile
 import time
 
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.weight_files import WEIGHT_FILES
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.results import STATISTICS_FILE
 from mergekit_ram.integration.tables import percent, text_table
+
+# What the demo writes into its folder, and nothing else.
+MODELS, CONFIG, MERGED = "models", "ramplus.yml", "merged"
+
+
+def check_out_dir(root: str) -> None:
+    """A RAMInputError unless the demo can write into `root` without
+    touching anything there: no entry of its own exists yet, and `root` is
+    not a model folder (the demo would nest its models inside it)."""
+    where = f"mergekit-ram demo --out {root}"
+    fix = "Choose a new or empty folder; nothing was written."
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise RAMInputError(f"{where}: {root} is a file, not a folder. {fix}")
+    if not os.path.isdir(root):
+        return
+    model = [
+        n
+        for n in ("config.json", *WEIGHT_FILES)
+        if os.path.lexists(os.path.join(root, n))
+    ]
+    if model:
+        raise RAMInputError(
+            f"{where}: {root} is a model folder (it holds {', '.join(model)}); the "
+            f"demo would write its own models and merge inside it. {fix}"
+        )
+    present = [
+        n for n in (MODELS, CONFIG, MERGED) if os.path.lexists(os.path.join(root, n))
+    ]
+    if present:
+        names = ", ".join(os.path.join(root, n) for n in present)
+        raise RAMInputError(
+            f"{where}: {names} already {'exists' if len(present) == 1 else 'exist'}, "
+            f"and the demo writes {MODELS}/, {CONFIG} and {MERGED}/ there and "
+            "replaces nothing. Move them away or choose a new or empty folder; "
+            "nothing was written."
+        )
 
 
 def _table(document: dict, names: dict) -> str:
@@ -62,15 +102,16 @@ def run_demo(out_dir: str | None = None) -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers_logging.disable_progress_bar()
     root = out_dir or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
+    check_out_dir(root)
     os.makedirs(root, exist_ok=True)
     started = time.perf_counter()
     print(f"Building a tiny base model and three RL-like agents in {root} ...")
-    paths = build_models(os.path.join(root, "models"), PAPER_LIKE)
+    paths = build_models(os.path.join(root, MODELS), PAPER_LIKE)
     names = {path: name for name, path in paths.items()}
-    config = os.path.join(root, "ramplus.yml")
-    with open(config, "w", encoding="utf-8") as handle:
+    config = os.path.join(root, CONFIG)
+    with open(config, "x", encoding="utf-8") as handle:
         handle.write(merge_yaml(paths, "ramplus", r=0.1, alpha=2.0))
-    merged = os.path.join(root, "merged")
+    merged = os.path.join(root, MERGED)
     print(f"Merging with RAM+ (paper defaults): mergekit-yaml {config} {merged}")
     mergekit_yaml([config, merged, "--quiet"], standalone_mode=False)
 

@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mergekit_ram.commands.analysis import PAPER_R
+from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.verdict import NESTED, OVERLAPPING, unique_share_departure
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.tables import markdown_table, percent, text_table
 
@@ -35,6 +37,55 @@ METHOD_HEADERS = {
     "ta_mean": "TA 1/N",
     "ta_sum": "TA 1",
 }
+
+
+def _rule(report: Mapping[str, Any]) -> ScaleRule:
+    return ScaleRule(report["r"], report["alpha"], report["saturation"])
+
+
+# What a pair's supports mean for RAM, said only for the kinds present.
+LIFT_NOTES = {
+    "independent": "lift ≈ 1: independent supports, as the paper's agents "
+    "(trained apart) have: they overlap only by chance, and where one agent "
+    "alone changes an element RAM keeps its full change while averaging "
+    "divides it by N.",
+    "overlapping": f"lift ≥ {OVERLAPPING:g}: overlapping supports (e.g. one "
+    "recipe for every agent): the agents change the same elements, which RAM "
+    "averages as task arithmetic does, so it has less to keep.",
+    "disjoint": f"lift ≤ {1 / OVERLAPPING:.2f}: the agents avoid each other's "
+    "elements, so RAM keeps nearly every change whole.",
+    "nested": f"nested: at least {100 * NESTED:g} % of one agent's changes lie "
+    "inside another's, so RAM averages nearly all of them.",
+}
+
+
+def lift_notes(report: Mapping[str, Any]) -> list[str]:
+    """The explanations of the pair kinds the verdict found, in its order."""
+    found = {pair["supports"] for pair in report["verdict"]["pairs"]}
+    return [note for kind, note in LIFT_NOTES.items() if kind in found]
+
+
+def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A note for the tasks whose unique share is far from its expectation."""
+    by_departure: dict[str, list[str]] = {}
+    for t in tasks:
+        departure = unique_share_departure(
+            t["unique_share"], t["expected_unique_share"]
+        )
+        if departure is not None:
+            by_departure.setdefault(departure, []).append(t["label"])
+    notes = []
+    if "below" in by_departure:
+        notes.append(
+            f"Far below expected for {', '.join(by_departure['below'])}: their "
+            "changes pile up on elements other tasks change too."
+        )
+    if "above" in by_departure:
+        notes.append(
+            f"Far above expected for {', '.join(by_departure['above'])}: their "
+            "changes avoid the elements other tasks change."
+        )
+    return notes
 
 
 def regime_sections(
@@ -66,15 +117,9 @@ def regime_sections(
                 [
                     "expected = Σ over tensors of n·d_s·d_t: the overlap of "
                     "independent random supports with the same per-tensor "
-                    "densities d; lift = overlap / expected.",
-                    "lift ≈ 1: independent-like supports, as the paper's agents "
-                    "(trained apart) have: they overlap only by chance, and where "
-                    "one agent alone changes an element RAM keeps its full change "
-                    "while averaging divides it by N. lift ≫ 1: heavily "
-                    "overlapping supports (e.g. one recipe for every agent): the "
-                    "agents change the same elements, which RAM averages as task "
-                    "arithmetic does, so it has less to keep.",
-                ],
+                    "densities d; lift = overlap / expected."
+                ]
+                + lift_notes(report),
                 ["pair", "overlap", "expected", "lift", "Jaccard", "expected J."],
                 rows,
             )
@@ -97,19 +142,19 @@ def regime_sections(
         )
     notes = [
         "unique % = the task's changes no other task makes; expected = the "
-        "same for independent supports with the same per-tensor densities "
-        "(observed far below expected: the changes pile up on shared elements)."
-    ]
+        "same for independent supports with the same per-tensor densities."
+    ] + unique_share_notes(tasks)
     if settings:
         plus = settings["ramplus"]
+        rule = ScaleRule(plus["r"], plus["alpha"], plus["saturation"])
         notes.append(
             "retention = ⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩: how much of the task's "
             "own task vector the merged one keeps (1: all of it, as on its "
             "own; averaging keeps about 1/N of a change no other task makes; "
             "n/a: the task changes nothing). From this pass, no merge or "
-            f"evaluation. RAM+: r = {plus['r']:g}, alpha = {plus['alpha']:g}, "
-            f"{plus['saturation']}, {plus['statistics']} statistics; TA 1/N, "
-            "TA 1: task arithmetic with weight 1/N, 1 per task."
+            f"evaluation. RAM+: r = {plus['r']:g}, {rule.saturation_text()}, "
+            f"{plus['statistics']} statistics; TA 1/N, TA 1: task arithmetic "
+            "with weight 1/N, 1 per task."
         )
     out.append(
         (
@@ -276,9 +321,8 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
             for s in report["sweep"]
         ]
         notes = [
-            f"λ per task for each r (alpha = {report['alpha']:g}, "
-            f"{report['saturation']} rule): global / tensor-local "
-            "(mean over unique elements)."
+            f"λ per task for each r ({_rule(report).saturation_text()}): "
+            "global / tensor-local (mean over unique elements)."
         ]
         if report["r"] == 0:
             notes.append(
@@ -294,9 +338,8 @@ def _header(report: Mapping[str, Any]) -> list[str]:
         f"Task vectors of {len(report['tasks'])} task model(s) against "
         f"{report['base_model']} ({report['method']} configuration)",
         f"{report['num_tensors']} tensors, {report['num_elements']:,} elements; "
-        f"epsilon = {report['epsilon']:g}; λ rule: r = {report['r']:g}, "
-        f"alpha = {report['alpha']:g}, {report['saturation']}, "
-        f"{report['statistics']} statistics",
+        f"epsilon = {report['epsilon']:g}; λ: r = {report['r']:g}, "
+        f"{_rule(report).saturation_text()}, {report['statistics']} statistics",
     ]
     if not is_ours(report["method"]):
         lines.append(
@@ -307,7 +350,8 @@ def _header(report: Mapping[str, Any]) -> list[str]:
 
 def render_text(report: Mapping[str, Any]) -> str:
     """The terminal report."""
-    lines = _header(report)
+    lines = _header(report) + [""]
+    lines += textwrap.wrap("Verdict: " + report["verdict"]["sentence"], 100)
     for title, notes, headers, rows in sections(report):
         lines += ["", title + ":"]
         lines += text_table(headers, rows)
@@ -324,6 +368,7 @@ def render_markdown(
     """report.md: the same tables, with the figures."""
     lines = ["# mergekit-ram analysis", ""]
     lines += [line + "  " for line in _header(report)]
+    lines += ["", f"**Verdict:** {report['verdict']['sentence']}"]
     for title, notes, headers, rows in sections(report):
         lines += ["", f"## {title}", ""]
         lines += markdown_table(headers, rows)

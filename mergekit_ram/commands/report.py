@@ -10,27 +10,14 @@ from typing import Any
 
 from mergekit_ram.commands.analysis import PAPER_R, Analysis
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
-from mergekit_ram.core.naming import MODULES, layer_of, module_of
-from mergekit_ram.core.regime import (
-    METHODS,
-    expected_intersections,
-    expected_unique,
-    jaccard,
-    ratio,
-    retentions,
-)
+from mergekit_ram.core.naming import MODULES, labels_for, layer_of, module_of
+from mergekit_ram.core.pairs import changed_per_tensor, pairwise
+from mergekit_ram.core.regime import METHODS, expected_unique, ratio, retentions
 from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.verdict import verdict_of
 from mergekit_ram.integration.results import statistics_document, with_survival
 
 SCHEMA_VERSION = 1
-
-
-def labels_for(models: Sequence[str]) -> dict[str, str]:
-    """Short names: last path component, or the full name where those collide."""
-    short = {m: m.split("+")[0].rstrip("/").split("/")[-1] or m for m in models}
-    if len(set(short.values())) < len(short):
-        return {m: m for m in models}
-    return short
 
 
 def tensor_local_scales(
@@ -61,50 +48,6 @@ def _constant_summary(value: float, tensors: int) -> dict[str, Any]:
     return dict(
         mean=value, unique_weighted_mean=value, min=value, max=value, tensors=tensors
     )
-
-
-def changed_per_tensor(
-    stats: OverlapStatistics, ids: Sequence[Hashable]
-) -> list[tuple[int, list[int]]]:
-    """Per tensor: (elements, each task's changed count), for core.regime."""
-    groups = []
-    for per_task in stats.per_tensor.values():
-        if not per_task:
-            continue
-        elements = next(iter(per_task.values())).elements
-        groups.append(
-            (elements, [per_task[i].changed if i in per_task else 0 for i in ids])
-        )
-    return groups
-
-
-def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any]:
-    """N×N intersections |m_s ∧ m_t| and Jaccard overlaps, in `ids` order, and
-    what independent supports with the same per-tensor densities would give."""
-    n = len(ids)
-    changed = [stats.tasks[i].changed for i in ids]
-    inter = [
-        [
-            changed[s] if s == t else stats.tasks[a].intersections.get(b, 0)
-            for t, b in enumerate(ids)
-        ]
-        for s, a in enumerate(ids)
-    ]
-    expected = expected_intersections(changed_per_tensor(stats, ids), n)
-
-    def matrix(cell):
-        return [[cell(s, t) for t in range(n)] for s in range(n)]
-
-    return {
-        "models": [str(i) for i in ids],
-        "intersection": inter,
-        "jaccard": matrix(lambda s, t: jaccard(inter[s][t], changed[s], changed[t])),
-        "expected_intersection": expected,
-        "lift": matrix(lambda s, t: ratio(inter[s][t], expected[s][t])),
-        "expected_jaccard": matrix(
-            lambda s, t: jaccard(expected[s][t], changed[s], changed[t])
-        ),
-    }
 
 
 def retention_rule(analysis: Analysis) -> ScaleRule:
@@ -267,4 +210,5 @@ def build_report(
         "per_layer": _grouped(stats, ids, layer_of, None, "layer"),
         "sweep": sweeps,
         "retention": retention_settings(analysis, len(ids)),
+        "verdict": verdict_of(stats).as_dict(),
     }

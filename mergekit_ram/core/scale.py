@@ -34,6 +34,12 @@ class ScaleRule:
             return 1.0 + self.r * (shared / changed)
         return 1.0 + self.r * min(max(shared / unique, 0.0), self.alpha)
 
+    def saturation_text(self) -> str:
+        """'clip rule, alpha = 2', or 'soft rule': soft does not use alpha."""
+        if self.saturation == "soft":
+            return "soft rule"
+        return f"clip rule, alpha = {self.alpha:g}"
+
     def limit(self) -> float:
         """λ as ρ → ∞: 1 + r·α for clip, 1 + r for soft."""
         return 1.0 + self.r * (1.0 if self.saturation == "soft" else self.alpha)

@@ -3,8 +3,9 @@
 mergekit 0.1.5 has no plugin discovery, so this writes into its registry
 table (taking over `ram` on purpose: stock `ram` ignores r/alpha, ours equals
 it at defaults) and wraps two planner methods, the card generator and its hub
-lookup, and run_merge (which publishes RAM merges by swap, so a failed one
-never costs a file). Every
+lookup, run_merge (which publishes RAM merges by swap, so a failed one
+never costs a file) and the output-config builder (to drop a deprecation
+warning mergekit's own code triggers). Every
 step is idempotent and checks that the host still looks as expected, failing
 with IncompatibleMergekit otherwise rather than half-working.
 """
@@ -16,6 +17,7 @@ import logging
 import os
 import sys
 from types import ModuleType
+from typing import Any
 
 import _mergekit_ram_autoload as autoload
 
@@ -72,14 +74,19 @@ def patch_planner(plan: ModuleType) -> None:
 
 
 def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section to mergekit's model card, list a RAM
-    merge's models in the configuration's order, and keep the card's hub
-    lookup from failing or stalling a finished RAM merge offline."""
+    """Add the RAM+ statistics section to mergekit's model card; for a RAM
+    merge, name its variant and the base model's licence and list its models
+    in the configuration's order; and keep the card's hub lookup from failing
+    or stalling a finished RAM merge offline."""
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
     from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.planner import statistics_for_card
-    from mergekit_ram.integration.results import card_section, in_config_order
+    from mergekit_ram.integration.results import (
+        card_section,
+        described_card,
+        in_config_order,
+    )
 
     original = getattr(merge, "generate_card", None)
     if not callable(original):
@@ -110,9 +117,12 @@ def patch_card(merge: ModuleType) -> None:
             return False
 
     def generate_card(config, config_yaml, name=None):
-        if is_ours(config.merge_method):
+        ours = is_ours(config.merge_method)
+        if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
+        if ours:
+            card = described_card(card, config)
         run = current_run()
         unlinked = sorted(set(run.unlinked if run is not None else ()))
         if unlinked:
@@ -155,10 +165,45 @@ def patch_run_merge(merge: ModuleType) -> None:
             module.run_merge = merge.run_merge
 
 
+class _DtypeDeprecation(logging.Filter):
+    """Drops transformers' "`torch_dtype` is deprecated" warning, which
+    mergekit's _model_out_config triggers by setting `torch_dtype` on the
+    output config: nothing a user of mergekit could change."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`torch_dtype` is deprecated" not in record.getMessage()
+
+
+def patch_out_config(merge: ModuleType) -> None:
+    """Silence that one warning while mergekit builds the output config.
+
+    The filter sits on transformers' configuration logger only for the call
+    (transformers logs it once per process: the first call uses up that once).
+    """
+    original = getattr(merge, "_model_out_config", None)
+    if not callable(original):
+        raise _incompatible("mergekit.merge._model_out_config is missing")
+    if hasattr(original, "__mergekit_ram__"):
+        return
+    logger = logging.getLogger("transformers.configuration_utils")
+
+    def _model_out_config(*args: Any, **kwargs: Any) -> Any:
+        quiet = _DtypeDeprecation()
+        logger.addFilter(quiet)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            logger.removeFilter(quiet)
+
+    _model_out_config.__mergekit_ram__ = original
+    merge._model_out_config = _model_out_config
+
+
 PATCHES = (
     ("mergekit.plan", patch_planner),
     ("mergekit.merge", patch_card),
     ("mergekit.merge", patch_run_merge),
+    ("mergekit.merge", patch_out_config),
 )
 
 

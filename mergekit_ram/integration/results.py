@@ -1,20 +1,28 @@
 """What a RAM+ merge leaves behind: ram_statistics.json and the model card
-(its RAM+ section, and its model list in the configuration's order)."""
+(its RAM+ section with the verdict, the variant in its Merge Method heading,
+the base model's licence, and its model list in the configuration's order)."""
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Hashable, Mapping
+from importlib import metadata
 from typing import Any
 
+import huggingface_hub
+import yaml
+from mergekit import merge_methods
 from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.verdict import verdict_of
 from mergekit_ram.integration.config_groups import groups
 from mergekit_ram.integration.model_locations import model_references
+from mergekit_ram.integration.parameter_schema import _possible
 from mergekit_ram.integration.tables import markdown_table, percent
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -120,11 +128,12 @@ def card_section(
         "### RAM+ statistics",
         "",
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
-        f"r = {settings.r:g}, alpha = {settings.alpha:g}, "
-        f"{settings.saturation} rule) over {stats.num_tensors} tensors and "
-        f"{stats.num_elements:,} elements, computed by mergekit-ram (a plugin "
-        "for mergekit, installed from its repository; not on PyPI). "
+        f"r = {settings.r:g}, {settings.rule.saturation_text()}) over "
+        f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
+        f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
         f"Full counts are in `{STATISTICS_FILE}`.",
+        "",
+        f"**Verdict:** {verdict_of(stats).sentence}",
         "",
     ]
     counts = {} if survival is None else survival.counts
@@ -148,6 +157,116 @@ def card_section(
     if survival is not None and survival.lost():
         lines += ["", survival.warning()]
     return "\n".join(lines) + "\n"
+
+
+def repository_url() -> str | None:
+    """The repository address the installed package declares (pyproject's
+    [project.urls]), if it declares one."""
+    try:
+        entries = metadata.metadata("mergekit-ram").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return None
+    urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
+    for label in ("Repository", "Source", "Homepage"):
+        if label in urls:
+            return urls[label]
+    return None
+
+
+def where_from() -> str:
+    """Where a reader of the card gets mergekit-ram (it is not on PyPI)."""
+    url = repository_url()
+    if url is None:
+        return "not on PyPI: installed from a clone of its repository"
+    return f"not on PyPI: install it from its repository, {url}"
+
+
+# How each `shared` mode is named in the card's heading.
+SHARED_MODES = ("mean", "ties", "base")
+
+
+def variant(config: MergeConfiguration) -> str:
+    """The RAM variant a configuration merges with, for the card's heading:
+    RAM or RAM+, the statistics scope and rule (RAM+), and `shared`."""
+    specs = {p.name: p for p in merge_methods.get(config.merge_method).spec.parameters}
+    values: dict[str, set[Any]] = {
+        name: set() for name in ("r", "statistics", "saturation", "shared")
+    }
+    for group in groups(config):
+        for name, found in values.items():
+            found |= _possible(specs[name], group.blocks)
+
+    def one(name: str, words: Mapping[Any, str]) -> str:
+        if len(values[name]) == 1:
+            return words[next(iter(values[name]))]
+        return f"{name} varies per tensor"
+
+    parts = []
+    if any(r > 0 for r in values["r"]):
+        name = "RAM+" if all(r > 0 for r in values["r"]) else "RAM / RAM+"
+        scopes = {"global": "global statistics", "tensor": "tensor-local statistics"}
+        parts += [
+            one("statistics", scopes),
+            one("saturation", {"clip": "clip rule", "soft": "soft rule"}),
+        ]
+    else:
+        name = "RAM"
+    parts.append(one("shared", {mode: f"`shared: {mode}`" for mode in SHARED_MODES}))
+    return f"{name} ({', '.join(parts)})"
+
+
+def base_license(config: MergeConfiguration) -> str | None:
+    """The licence the base model's card (README.md front matter) states:
+    a local folder's, or a hub model's already in the local cache (no
+    download). None when there is none to read."""
+    if config.base_model is None:
+        return None
+    location = config.base_model.model
+    readme = os.path.join(location.path, "README.md")
+    try:
+        if not os.path.isdir(location.path):
+            cached = huggingface_hub.try_to_load_from_cache(
+                location.path, "README.md", revision=location.revision
+            )
+            readme = cached if isinstance(cached, str) else ""
+        with open(readme, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, ValueError):  # no such file; not a valid hub id
+        return None
+    front = front_matter(text)
+    value = None if front is None else front[0].get("license")
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def front_matter(card: str) -> tuple[dict[str, Any], int] | None:
+    """A card's YAML front matter and the offset of its closing `---` line;
+    None without one (or when it is not a mapping)."""
+    if not card.startswith("---\n"):
+        return None
+    end = card.find("\n---", 3)
+    if end < 0:
+        return None
+    try:
+        data = yaml.safe_load(card[4:end])
+    except yaml.YAMLError:
+        return None
+    return (data, end) if isinstance(data, dict) else None
+
+
+def described_card(card: str, config: MergeConfiguration) -> str:
+    """mergekit's card for a RAM merge, with the variant in its Merge Method
+    heading and the base model's licence in its metadata (mergekit writes
+    neither)."""
+    card = card.replace(
+        "### Merge Method\n", f"### Merge Method: {variant(config)}\n", 1
+    )
+    license_ = base_license(config)
+    front = front_matter(card)
+    if license_ is None or front is None or "license" in front[0]:
+        return card
+    end = front[1]
+    entry = yaml.safe_dump({"license": license_}).rstrip("\n")
+    return card[:end].rstrip("\n") + "\n" + entry + card[end:]
 
 
 class _InConfigOrder(MergeConfiguration):
