@@ -10,7 +10,8 @@ message, regenerate the table with
 
 A case runs the CLI from a scratch directory on the tiny float32 family of
 conftest.py (base + alpha, beta, gamma); paths in messages are shown as
-MODELS (the family's directory) and CWD (the scratch directory).
+MODELS (the family's directory), CWD (the scratch directory) and REPO
+(this checkout).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from mergekit_ram.commands.cli import main
 from mergekit_ram.integration import prefetch
 
-ERRORS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+REPO = Path(__file__).resolve().parent.parent
+ERRORS_PAGE = REPO / "docs" / "errors.md"
 BEGIN = "<!-- rejected-inputs:begin -->"
 END = "<!-- rejected-inputs:end -->"
 REGENERATE = "python tests/rejected_inputs.py --write"
@@ -739,8 +741,10 @@ def run_case(case: Case, ws: Workspace) -> Outcome:
 
 
 def placeholders(text: str, ws: Workspace) -> str:
-    """Scratch paths as MODELS and CWD, so the table does not change per run."""
-    for path, name in ((ws.family.root, "MODELS"), (ws.root.resolve(), "CWD")):
+    """Scratch paths as MODELS and CWD, this checkout as REPO, so the table
+    does not change per run or machine."""
+    paths = ((ws.family.root, "MODELS"), (ws.root.resolve(), "CWD"), (REPO, "REPO"))
+    for path, name in paths:
         text = text.replace(str(path), name)
     return text
 

@@ -24,7 +24,8 @@ from safetensors.torch import load_file, save_file
 
 import mergekit_ram.integration.statistics_pass
 from mergekit_ram.commands.analysis import PAPER_R, analyze_config
-from mergekit_ram.commands.cli import main, parse_r_values
+from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.merge_cli import parse_r_values
 from mergekit_ram.commands.render import REPORT_JSON
 from mergekit_ram.commands.report import SCHEMA_VERSION
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml

@@ -17,7 +17,8 @@ from conftest import read_json
 from mergekit.options import MergeOptions, add_merge_options
 from safetensors.torch import load_file
 
-from mergekit_ram.commands.cli import ANALYZE_OPTIONS, main
+from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.merge_cli import ANALYZE_OPTIONS
 
 
 def mergekit_option_names(fields: Collection[str] | None = None) -> list[str]:

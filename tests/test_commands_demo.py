@@ -139,9 +139,12 @@ def test_demo_refuses_a_model_folder(family_f32, tmp_path):
 
 
 def test_demo_refuses_a_file(tmp_path):
+    """`--out` is a folder option: click names the option and the file."""
     target = tmp_path / "notes.txt"
     target.write_text("mine")
-    assert "is a file, not a folder" in refused(target)
+    result = CliRunner().invoke(main, ["demo", "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--out'" in result.output and "is a file" in result.output
     assert target.read_text() == "mine"
 
 

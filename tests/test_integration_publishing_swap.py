@@ -80,9 +80,9 @@ def relative_inputs(family, root: Path) -> Path:
 def test_relative_one_slash_path_offline_keeps_card_and_merge(
     family, previous, tmp_path, monkeypatch, caplog
 ):
-    """`base_model: in/base` from a cwd where in/base exists, HF_HUB_OFFLINE=1
-    (set by conftest before the hub client was imported): the hub is not
-    asked, and one warning line names every path the card does not link."""
+    """`base_model: in/base` from a cwd where in/base exists: a path that
+    exists here is the folder the merge read, never a hub id, so the hub is
+    not asked and no warning is printed; the card names the folders."""
     import huggingface_hub
 
     asked = []
@@ -95,23 +95,21 @@ def test_relative_one_slash_path_offline_keeps_card_and_merge(
     card = (out / "README.md").read_text()
     assert "in/base" in card and "huggingface.co/in/base" not in card
     assert asked == []
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert "\n" not in warning and "HF_HUB_OFFLINE=1" in warning
-    assert all(f"in/{name}" in warning for name in family.paths)
-    assert warning.endswith("the card names them without a link.")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
     assert (out / "config.json").is_file() and (out / "notes.txt").exists()
 
 
-def test_silent_hub_costs_seconds_and_one_line(family, tmp_path):
+def test_a_silent_hub_is_not_asked_about_local_folders(family, tmp_path):
     """HF_HUB_OFFLINE unset and a hub that accepts connections but never
     answers: mergekit's own lookup waited on it without end; stock
-    mergekit-yaml now finishes, with one WARNING line."""
+    mergekit-yaml now finishes without a connection to it or a warning
+    (Issue 30 item 3: the warning named a 10 s wait in an 8.5 s run)."""
     relative_inputs(family, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ONLINE_UNSET}
     with socket.socket() as hub:
         hub.bind(("127.0.0.1", 0))
         hub.listen(8)
-        env["HF_ENDPOINT"] = endpoint = f"http://127.0.0.1:{hub.getsockname()[1]}"
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{hub.getsockname()[1]}"
         env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HOME=str(tmp_path / "hf"))
         done = subprocess.run(
             [str(Path(sys.executable).parent / "mergekit-yaml"), "ram.yml", "out"],
@@ -121,29 +119,32 @@ def test_silent_hub_costs_seconds_and_one_line(family, tmp_path):
             text=True,
             timeout=TIMEOUT,
         )
+        hub.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            hub.accept()  # nobody connected
     assert done.returncode == 0, done.stderr
-    (warning,) = [line for line in done.stderr.splitlines() if "WARNING" in line]
-    assert f"the hub at {endpoint} did not answer within 2 s" in warning
-    assert all(f"in/{name}" in warning for name in family.paths)
+    assert [line for line in done.stderr.splitlines() if "WARNING" in line] == []
     assert "in/base" in (tmp_path / "out" / "README.md").read_text()
 
 
-def test_card_lookup_is_forgiven_only_inside_a_ram_merge(tmp_path, monkeypatch):
+def test_card_lookup_of_a_local_folder_only_inside_a_ram_merge(tmp_path, monkeypatch):
     """Offline, mergekit's is_hf raises for an existing `in/base`; other
-    methods keep that behaviour, a RAM merge notes the path and goes on."""
+    methods keep that behaviour; in a RAM merge an existing folder is local."""
     import mergekit.card
     from huggingface_hub.errors import OfflineModeIsEnabled
 
+    from mergekit_ram import install
     from mergekit_ram.integration.context import merge_run
 
+    install()
     (tmp_path / "in" / "base").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     assert hasattr(mergekit.card.is_hf, "__mergekit_ram__")
     with pytest.raises(OfflineModeIsEnabled):
         mergekit.card.is_hf("in/base")
-    with merge_run() as run:
+    with merge_run():
         assert mergekit.card.is_hf("in/base") is False
-    assert run.unlinked == ["in/base"]
+        assert mergekit.card.is_hf("org/elsewhere") is True  # mergekit's own rule
 
 
 # --- 2. a failing rerun keeps the previous merge, recipe included ----------------

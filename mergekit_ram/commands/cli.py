@@ -1,24 +1,140 @@
-"""`mergekit-ram`: merge (as mergekit-yaml, with global RAM+), analyze and demo."""
+"""`mergekit-ram`: merge, analyze and demo; --version and --help answer at once.
+
+The group imports click and nothing heavy: `merge` and `analyze` take
+mergekit's own options, whose module imports torch and transformers
+(seconds), so they live in `merge_cli`, imported when one of them runs.
+Their --help, rendered once, is kept in the user's cache, keyed on both
+packages' versions and sources and the terminal's width, and printed from
+there afterwards.
+"""
 
 from __future__ import annotations
 
-import json
-import math
-from typing import Any
+import hashlib
+import os
+import shutil
+import tempfile
+from importlib import import_module
+from importlib.metadata import distribution, version
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import click
-import yaml
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
-from pydantic import ValidationError
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.errors import ClickInputError
-from mergekit_ram.integration.install import install
+
+
+class Entry(NamedTuple):
+    module: str  # where the command is defined
+    help: str  # its description: the command's own help and the group's list
+
+
+COMMANDS = {
+    "merge": Entry(
+        "mergekit_ram.commands.merge_cli",
+        "Merge as mergekit-yaml does, with RAM+ statistics counted over the "
+        "whole model. CONFIG_FILE is the merge's YAML (merge_method: ram or "
+        "ramplus, or any other method, left to mergekit); OUT_PATH is the folder "
+        "the merged model is written into (made if missing; the merge replaces "
+        "only its own files there).",
+    ),
+    "analyze": Entry(
+        "mergekit_ram.commands.merge_cli",
+        "Show how the agents' task vectors overlap, RAM+'s λ and which case "
+        "they are in, before merging. CONFIG_FILE is the YAML a merge would use "
+        "(any merge_method; only the models and the base model matter).",
+    ),
+    "demo": Entry(
+        __name__,
+        "Build three toy RL-like agents, merge them with RAM+ and explain the "
+        "result. Without --out everything goes to a temporary folder, removed at "
+        "the end (also on error or Ctrl-C).",
+    ),
+}
+HELP_OPTIONS = ("-h", "--help")
+CACHE = "MERGEKIT_RAM_CACHE"  # where kept --help texts go ("" keeps none)
+
+
+def _help_file(ctx: click.Context) -> Path | None:
+    """Where `ctx`'s command keeps its rendered help (None: nowhere).
+
+    The key changes with anything that changes the text: either package's
+    version or option source, how the command was called, the width.
+    """
+    try:
+        root = os.environ.get(CACHE)
+        if root is None:
+            home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+            root = os.path.join(home, "mergekit-ram")
+        if not root:
+            return None
+        sources = [
+            Path(__file__).with_name("merge_cli.py"),
+            Path(distribution("mergekit").locate_file("mergekit/options.py")),
+        ]
+        key = (
+            ctx.command_path,
+            version("mergekit-ram"),
+            version("mergekit"),
+            [os.stat(source).st_mtime_ns for source in sources],
+            shutil.get_terminal_size().columns,
+        )
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        return Path(root, f"help-{ctx.info_name}-{digest}.txt")
+    except Exception:  # no home, no metadata: render the help each time
+        return None
+
+
+def keep_help(ctx: click.Context, text: str) -> None:
+    """Keep a command's rendered help for the next `--help` (best effort)."""
+    path = _help_file(ctx)
+    if path is None or path.exists():
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, delete=False, encoding="utf-8"
+        ) as handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+    except OSError:
+        pass
+
+
+class _KeptHelp(click.Command):
+    """A command's help printed from the cache, without importing it."""
+
+    def __init__(self, name: str, text: str) -> None:
+        super().__init__(name)
+        self.text = text
+
+    def get_help(self, ctx: click.Context) -> str:
+        return self.text
 
 
 class _Commands(click.Group):
-    """Our commands, with a RAMInputError printed as `Error: ...` (exit 2)."""
+    """Our commands, imported when used; a RAMInputError is printed as
+    `Error: ...` (exit 2); the list shows each command's whole description."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        entry = COMMANDS.get(name)
+        return None if entry is None else getattr(import_module(entry.module), name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        if len(args) == 2 and args[0] in COMMANDS and args[1] in HELP_OPTIONS:
+            kept = _help_file(click.Context(click.Command(args[0]), ctx, args[0]))
+            if kept is not None and kept.is_file():
+                text = kept.read_text(encoding="utf-8")
+                return args[0], _KeptHelp(args[0], text), args[1:]
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: Any) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, entry.help) for name, entry in COMMANDS.items()])
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -31,8 +147,6 @@ class _Commands(click.Group):
 
 def versions() -> str:
     """The installed mergekit-ram and mergekit versions: a bug report needs both."""
-    from importlib.metadata import version
-
     return f"mergekit-ram {version('mergekit-ram')}, mergekit {version('mergekit')}"
 
 
@@ -44,7 +158,7 @@ def _show_versions(
         context.exit()
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": list(HELP_OPTIONS)})
 @click.option(
     "--version",
     is_flag=True,
@@ -55,319 +169,24 @@ def _show_versions(
 )
 def main() -> None:
     """RAM and RAM+ (Reinforced Agent Merging) for mergekit."""
-    install()
 
 
-VALUE_LIMIT = 100_000  # YAML values after aliases are expanded; a config has hundreds
-SHOWN_LIMIT = 200  # characters of an offending value echoed back
-PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
-
-
-def _load(config_file: str) -> tuple[MergeConfiguration, str]:
-    """The configuration and its text; bad YAML or schema is a RAMInputError."""
-    with open(config_file, encoding="utf-8") as handle:
-        source = handle.read()
-    loader = yaml.SafeLoader(source)
-    try:
-        node = loader.get_single_node()
-        if node is not None and _expanded_size(node, {}) > VALUE_LIMIT:
-            raise RAMInputError(
-                f"{config_file} uses YAML aliases (*name) that expand to more "
-                f"than {VALUE_LIMIT} values, far more than any merge "
-                "configuration needs (an alias bomb?). Write the configuration "
-                "out without nesting aliases."
-            )
-        document = None if node is None else loader.construct_document(node)
-    except yaml.YAMLError as error:
-        raise RAMInputError(_yaml_problem(config_file, error)) from error
-    finally:
-        loader.dispose()
-    try:
-        return MergeConfiguration.model_validate(document), source
-    except ValidationError as error:
-        problem = _schema_problems(error)
-    except RuntimeError as error:  # mergekit's own validators raise these
-        problem = str(error)
-    raise RAMInputError(
-        f"{config_file} is not a valid mergekit configuration: {problem}. "
-        "example_configs/ holds working RAM and RAM+ configurations."
-    )
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """How many values `node` stands for once every alias is expanded.
-
-    An alias is the same node object in several places: counting each node
-    once (memoized by identity) costs what the text costs, while the
-    expanded document can be exponentially larger.
-    """
-    if id(node) in sizes:
-        return sizes[id(node)]
-    sizes[id(node)] = VALUE_LIMIT + 1  # a recursive alias expands forever
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(item, sizes) for item in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            size += _expanded_size(key, sizes) + _expanded_size(value, sizes)
-    sizes[id(node)] = min(size, VALUE_LIMIT + 1)
-    return sizes[id(node)]
-
-
-def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    where = (
-        "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-    )
-    problem = getattr(error, "problem", None) or str(error)
-    return (
-        f"{config_file} is not valid YAML{where}: {problem}. Fix the syntax there "
-        "(indentation, a missing ':' or an unquoted special character)."
-    )
-
-
-def _schema_problems(error: ValidationError) -> str:
-    """Each offending key once: pydantic reports every union alternative."""
-    grouped: dict[Any, list[dict]] = {}
-    for item in error.errors():
-        key = (
-            ("missing", item["loc"]) if item["type"] == "missing" else id(item["input"])
-        )
-        grouped.setdefault(key, []).append(item)
-    problems = []
-    for items in grouped.values():
-        loc = _common_prefix([item["loc"] for item in items])
-        if items[0]["type"] == "missing":
-            text = " is required"
-        elif len(items) == 1:
-            text = f": {items[0]['msg']} (got {_shown(items[0]['input'])})"
-        else:
-            text = f": {_shown(items[0]['input'])} is not a valid value"
-        problems.append(_dotted(loc) + text)
-    more = len(problems) - PROBLEM_LIMIT
-    shown = "; ".join(problems[:PROBLEM_LIMIT])
-    return shown if more <= 0 else f"{shown}; and {more} more problem(s)"
-
-
-def _common_prefix(locs: list[tuple]) -> tuple:
-    prefix = locs[0]
-    for loc in locs[1:]:
-        size = next(
-            (i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b),
-            min(len(prefix), len(loc)),
-        )
-        prefix = prefix[:size]
-    return prefix
-
-
-def _dotted(loc: tuple) -> str:
-    """A pydantic location as the YAML path a user reads: models[0].model."""
-    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
-    return text.lstrip(".") or "the document"
-
-
-def _shown(value: Any) -> str:
-    """A value as JSON, cut short: what a user typed may be huge."""
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= SHOWN_LIMIT else f"{text[:SHOWN_LIMIT]}…"
-
-
-def _finite_number(
-    _context: click.Context, parameter: click.Parameter, value: float | None
-) -> float | None:
-    """A number option passes the checks its YAML key does (the method's type)."""
-    from mergekit_ram.integration.methods import METHODS
-    from mergekit_ram.integration.parameter_schema import number_problem
-
-    spec = next(s for s in METHODS[0].spec.parameters if s.name == parameter.name)
-    problem = None if value is None else number_problem(spec, value)
-    if problem:
-        raise click.BadParameter(f"{value!r} {problem}; it must be a finite number ≥ 0")
-    return value
-
-
-def _refuse_report_folder(config: Any, folder: str | None) -> None:
-    """A report folder gets OUT's path checks before any weight is read: a
-    folder that can be made, never one that adds files to an input."""
-    if folder is not None:
-        from mergekit_ram.integration.output_folder import resolve_output
-        from mergekit_ram.integration.publishing import refuse_input_folder
-
-        resolve_output(folder, "report folder")
-        refuse_input_folder(config, folder, "report folder")
-
-
-def _emit(report: dict, out_dir: str | None) -> None:
-    from mergekit_ram.commands.render import render_text
-    from mergekit_ram.commands.report_files import write_report
-
-    click.echo(render_text(report), nl=False)
-    if out_dir is not None:
-        _paths, message = write_report(report, out_dir)
-        click.echo(message)
-
-
-@main.command("merge", cls=PrettyPrintHelp)
-@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
-@click.argument("out_path")
-@click.option(
-    "--report",
-    "report_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Also write the analyze report here, from the merge's own statistics.",
-)
-@add_merge_options
-def merge(
-    merge_options: MergeOptions,
-    config_file: str,
-    out_path: str,
-    report_dir: str | None,
-) -> None:
-    """Merge as mergekit-yaml does, with whole-model RAM+ statistics."""
-    from mergekit_ram.commands.api import run_merge
-
-    merge_options.apply_global_options()
-    config, source = _load(config_file)
-    _refuse_report_folder(config, report_dir)
-    if report_dir is None:
-        run_merge(config, out_path, options=merge_options, config_source=source)
-        return
-
-    from mergekit_ram.commands.analysis import merge_with_analysis
-    from mergekit_ram.commands.report import build_report
-
-    analysis = merge_with_analysis(
-        config, out_path, merge_options, source, echo=click.echo
-    )
-    _emit(build_report(analysis), report_dir)
-
-
-# The MergeOptions fields analyze reads: where and how models are found and
-# loaded (mergekit's planner and loader cache), where the statistics pass
-# computes, and logging. The others shape a merge's execution or its output
-# (shards, model card, tokenizer copy, seed, multi-GPU, writer threads).
-ANALYZE_OPTIONS = frozenset(
-    {
-        "allow_crimes",
-        "unsafe_truncate_embeddings",
-        "transformers_cache",
-        "lora_merge_cache",
-        "lora_merge_dtype",
-        "trust_remote_code",
-        "lazy_unpickle",
-        "cuda",
-        "device",
-        "low_cpu_memory",
-        "read_to_gpu",
-        "num_threads",
-        "verbosity",
-        "quiet",
-    }
-)
-
-
-def _analyze_options_only(command: click.Command) -> click.Command:
-    """`command` without the merge options analyze would ignore: an option it
-    accepts is one it uses, and any other is a usage error."""
-    ignored = set(MergeOptions.model_fields) - ANALYZE_OPTIONS
-    command.params = [p for p in command.params if p.name not in ignored]
-    return command
-
-
-@_analyze_options_only
-@main.command("analyze", cls=PrettyPrintHelp)
-@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
+@click.command("demo", help=COMMANDS["demo"].help)
 @click.option(
     "--out",
     "out_dir",
     default=None,
     type=click.Path(file_okay=False),
-    help="Write report.json, report.md and PNG figures here.",
+    help="Keep the demo's models, config and merge in this folder.",
 )
-@click.option(
-    "--epsilon",
-    type=float,
-    default=None,
-    callback=_finite_number,
-    help="Change threshold |θ_t − θ₀| > epsilon (default: the config's, or 1e-5).",
-)
-@click.option(
-    "--r",
-    "r_values",
-    default=None,
-    metavar="R[,R...]",
-    help="Tabulate λ per task for these r values, e.g. 0,0.05,0.1,0.2.",
-)
-@add_merge_options
-def analyze(
-    merge_options: MergeOptions,
-    config_file: str,
-    out_dir: str | None,
-    epsilon: float | None,
-    r_values: str | None,
-) -> None:
-    """Show the task vectors' overlap statistics and RAM+ λ before merging.
-
-    CONFIG_FILE is the YAML a merge would use (any merge_method; only the
-    models and the base model matter).
-    """
-    from mergekit_ram.commands.analysis import analyze_config
-    from mergekit_ram.commands.report import build_report
-    from mergekit_ram.integration.validation import validate_analysis
-
-    sweep = None
-    if r_values is not None:
-        try:
-            sweep = parse_r_values(r_values)
-        except ValueError as error:
-            raise click.BadParameter(str(error), param_hint="--r") from error
-    merge_options.apply_global_options()
-    config, _source = _load(config_file)
-    _refuse_report_folder(config, out_dir)
-    validate_analysis(config, merge_options)
-    try:
-        analysis = analyze_config(config, merge_options, epsilon=epsilon)
-    except RAMInputError:
-        raise
-    except ValueError as error:
-        raise click.ClickException(str(error)) from error
-    _emit(build_report(analysis, sweep), out_dir)
-    if out_dir is None:
-        click.echo("Add --out DIR for report.json, report.md and the figures.")
-
-
-@main.command("demo")
-@click.option("--out", "out_dir", default=None, help="Keep the demo models here.")
 def demo(out_dir: str | None) -> None:
-    """Build three toy RL-like agents, merge them with RAM+ and explain it.
-
-    Without --out everything goes to a temporary folder, removed at the end
-    (also on error or Ctrl-C): a demo should not leave files behind.
-    """
-    import tempfile
-
     from mergekit_ram.commands.demo import run_demo
+    from mergekit_ram.integration.install import install
 
+    install()
     if out_dir is not None:
         run_demo(out_dir)
         return
     with tempfile.TemporaryDirectory(prefix="mergekit-ram-demo-") as root:
         run_demo(root)
     click.echo(f"Removed {root} (use --out DIR to keep the models and the merge).")
-
-
-def parse_r_values(text: str) -> list[float]:
-    """'0,0.05,0.1' → [0.0, 0.05, 0.1]; every value finite and ≥ 0."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        value = float(part)
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"r must be a finite number ≥ 0, got {part!r}")
-        values.append(value)
-    if not values:
-        raise ValueError("no r value given")
-    return values

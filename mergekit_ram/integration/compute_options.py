@@ -71,7 +71,14 @@ def check_device(options: MergeOptions | None) -> None:
     if options is None:
         return
     name = options.device or "cpu"
-    option = "--cuda" if options.cuda and name == "cuda" else f"--device {name}"
+    # The flag the user typed: --gpu-rich sets --cuda, which sets the device.
+    option = (
+        "--gpu-rich"
+        if options.gpu_rich
+        else "--cuda"
+        if options.cuda and name == "cuda"
+        else f"--device {name}"
+    )
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
@@ -97,6 +104,13 @@ def check_device(options: MergeOptions | None) -> None:
         raise RAMInputError(
             f"{option}: this machine has {count} {device.type} device(s), "
             f"numbered 0 to {count - 1}. Pick one of those."
+        )
+    if options.read_to_gpu and device.type == "cpu":
+        raise RAMInputError(
+            "--read-to-gpu: the merge computes on the CPU here, so there is no "
+            "GPU to read the tensors onto and the option would do nothing. Add "
+            "--cuda (or --device cuda:N) on a machine with a GPU, or leave "
+            "--read-to-gpu out."
         )
     if options.multi_gpu and torch.cuda.device_count() == 0:
         raise RAMInputError(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mergekit_ram.core.survival import SurvivalTally
 
@@ -27,8 +27,6 @@ from mergekit_ram.core.survival import SurvivalTally
 class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
     `tally` None unless some task model's unique elements are rescaled;
-    `unlinked`: paths the model card could not ask the hub about (no hub
-    answered);
     `inner_products`: the caller (`merge --report`) wants the statistics pass
     to sum the task vectors' inner products too, for the report's retention.
 
@@ -38,7 +36,6 @@ class MergeRun:
 
     result: tuple | None = None
     tally: SurvivalTally | None = None
-    unlinked: list[str] = field(default_factory=list)
     inner_products: bool = False
 
 

@@ -79,7 +79,6 @@ def patch_card(merge: ModuleType) -> None:
     in the configuration's order; and keep the card's hub lookup from failing
     or stalling a finished RAM merge offline."""
     from mergekit_ram.integration.context import current_run
-    from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
     from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.planner import statistics_for_card
     from mergekit_ram.integration.results import (
@@ -101,20 +100,12 @@ def patch_card(merge: ModuleType) -> None:
 
     def is_hf(path: str) -> bool:
         # mergekit asks the hub whether a local folder named like a hub id
-        # (`in/base`) is also a repository, to link it. A RAM merge is
-        # finished by then: without a hub that answers, or if the lookup
-        # fails, its card names the folder without a link.
-        run = current_run()
-        if run is None:
-            return lookup(path)  # other methods keep mergekit's behaviour
-        if os.path.exists(path) and is_repo_id(path) and not hub_reachable():
-            run.unlinked.append(path)
+        # (`in/base`) is also a repository, to link it: offline that failed
+        # after the whole merge, a silent hub stalled it. For a RAM merge a
+        # path that exists here is the folder the merge read, never a hub id.
+        if current_run() is not None and os.path.exists(path):
             return False
-        try:
-            return lookup(path)
-        except Exception:
-            run.unlinked.append(path)
-            return False
+        return lookup(path)  # other methods keep mergekit's behaviour
 
     def generate_card(config, config_yaml, name=None):
         ours = is_ours(config.merge_method)
@@ -123,18 +114,6 @@ def patch_card(merge: ModuleType) -> None:
         card = original(config=config, config_yaml=config_yaml, name=name)
         if ours:
             card = described_card(card, config)
-        run = current_run()
-        unlinked = sorted(set(run.unlinked if run is not None else ()))
-        if unlinked:
-            one = len(unlinked) == 1
-            LOG.warning(
-                "Model card: the hub could not be asked whether %s %s (%s); "
-                "the card names %s without a link.",
-                ", ".join(unlinked),
-                "is a hub repository" if one else "are hub repositories",
-                "the lookup failed" if hub_reachable() else silent_hub(),
-                "it" if one else "them",
-            )
         result = statistics_for_card()
         return card if result is None else card + card_section(*result)
 

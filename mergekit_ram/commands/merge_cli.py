@@ -1,0 +1,363 @@
+"""`mergekit-ram merge` and `analyze`: the commands that take mergekit's options.
+
+mergekit's option module imports torch and transformers (seconds), so these
+two live apart from the command group (`cli`), which imports this module
+only when one of them runs or shows its help for the first time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from mergekit.config import MergeConfiguration
+from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
+from pydantic import ValidationError
+
+from mergekit_ram.commands.cli import COMMANDS, keep_help
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.install import install
+
+
+class _Command(PrettyPrintHelp):
+    """mergekit's grouped option help, kept for the next `--help` (cli)."""
+
+    def get_help(self, ctx: click.Context) -> str:
+        text = super().get_help(ctx)
+        keep_help(ctx, text)
+        return text
+
+
+VALUE_LIMIT = 100_000  # YAML values after aliases are expanded; a config has hundreds
+SHOWN_LIMIT = 200  # characters of an offending value echoed back
+PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
+
+
+def _load(
+    config_file: str, out_path: str | None = None
+) -> tuple[MergeConfiguration, str]:
+    """The configuration and its text; a CONFIG_FILE that is no YAML text
+    (swapped with OUT_PATH, a folder, binary), bad YAML or schema is a
+    RAMInputError."""
+    source = _read_text(config_file, out_path)
+    loader = yaml.SafeLoader(source)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node, {}) > VALUE_LIMIT:
+            raise RAMInputError(
+                f"{config_file} uses YAML aliases (*name) that expand to more "
+                f"than {VALUE_LIMIT} values, far more than any merge "
+                "configuration needs (an alias bomb?). Write the configuration "
+                "out without nesting aliases."
+            )
+        document = None if node is None else loader.construct_document(node)
+    except yaml.YAMLError as error:
+        raise RAMInputError(_yaml_problem(config_file, error)) from error
+    finally:
+        loader.dispose()
+    try:
+        return MergeConfiguration.model_validate(document), source
+    except ValidationError as error:
+        problem = _schema_problems(error)
+    except RuntimeError as error:  # mergekit's own validators raise these
+        problem = str(error)
+    raise RAMInputError(
+        f"{config_file} is not a valid mergekit configuration: {problem}. "
+        f"{examples_hint()}"
+    )
+
+
+def _read_text(config_file: str, out_path: str | None) -> str:
+    """CONFIG_FILE's text. The usual mistake is the arguments swapped
+    (`merge ./merged config.yml`): say which is which."""
+    usage = "The order is: mergekit-ram merge CONFIG_FILE OUT_PATH."
+    swapped = (
+        out_path is not None
+        and os.path.isfile(out_path)
+        and out_path.lower().endswith((".yml", ".yaml"))
+    )
+    hint = f" {out_path} looks like the configuration: {usage}" if swapped else ""
+    if os.path.isdir(config_file):
+        raise RAMInputError(f"CONFIG_FILE {config_file} is a folder.{hint}")
+    try:
+        with open(config_file, "rb") as handle:
+            data = handle.read()
+    except OSError as error:
+        raise RAMInputError(
+            f"CONFIG_FILE {config_file} cannot be read ({error.strerror}).{hint} "
+            "Give the path of the merge's YAML file."
+        ) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RAMInputError(
+            f"CONFIG_FILE {config_file} is not a text file (byte {error.start} is "
+            f"not UTF-8): it is no YAML configuration.{hint or ' ' + usage}"
+        ) from None
+
+
+def examples_hint() -> str:
+    """Where working configurations are, from wherever the user runs us."""
+    folder = Path(__file__).resolve().parents[2] / "example_configs"
+    where = str(folder) if folder.is_dir() else "example_configs/ in the repository"
+    return f"{where} holds working RAM and RAM+ configurations."
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for once every alias is expanded.
+
+    An alias is the same node object in several places: counting each node
+    once (memoized by identity) costs what the text costs, while the
+    expanded document can be exponentially larger.
+    """
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = VALUE_LIMIT + 1  # a recursive alias expands forever
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(item, sizes) for item in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            size += _expanded_size(key, sizes) + _expanded_size(value, sizes)
+    sizes[id(node)] = min(size, VALUE_LIMIT + 1)
+    return sizes[id(node)]
+
+
+def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
+    mark = getattr(error, "problem_mark", None)
+    where = (
+        "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+    )
+    problem = getattr(error, "problem", None) or str(error)
+    return (
+        f"{config_file} is not valid YAML{where}: {problem}. Fix the syntax there "
+        "(indentation, a missing ':' or an unquoted special character)."
+    )
+
+
+def _schema_problems(error: ValidationError) -> str:
+    """Each offending key once: pydantic reports every union alternative."""
+    grouped: dict[Any, list[dict]] = {}
+    for item in error.errors():
+        key = (
+            ("missing", item["loc"]) if item["type"] == "missing" else id(item["input"])
+        )
+        grouped.setdefault(key, []).append(item)
+    problems = []
+    for items in grouped.values():
+        loc = _common_prefix([item["loc"] for item in items])
+        if items[0]["type"] == "missing":
+            text = " is required"
+        elif len(items) == 1:
+            text = f": {items[0]['msg']} (got {_shown(items[0]['input'])})"
+        else:
+            text = f": {_shown(items[0]['input'])} is not a valid value"
+        problems.append(_dotted(loc) + text)
+    more = len(problems) - PROBLEM_LIMIT
+    shown = "; ".join(problems[:PROBLEM_LIMIT])
+    return shown if more <= 0 else f"{shown}; and {more} more problem(s)"
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        size = next(
+            (i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b),
+            min(len(prefix), len(loc)),
+        )
+        prefix = prefix[:size]
+    return prefix
+
+
+def _dotted(loc: tuple) -> str:
+    """A pydantic location as the YAML path a user reads: models[0].model."""
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+    return text.lstrip(".") or "the document"
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON, cut short: what a user typed may be huge."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= SHOWN_LIMIT else f"{text[:SHOWN_LIMIT]}…"
+
+
+def _finite_number(
+    _context: click.Context, parameter: click.Parameter, value: float | None
+) -> float | None:
+    """A number option passes the checks its YAML key does (the method's type)."""
+    from mergekit_ram.integration.methods import METHODS
+    from mergekit_ram.integration.parameter_schema import number_problem
+
+    spec = next(s for s in METHODS[0].spec.parameters if s.name == parameter.name)
+    problem = None if value is None else number_problem(spec, value)
+    if problem:
+        raise click.BadParameter(f"{value!r} {problem}; it must be a finite number ≥ 0")
+    return value
+
+
+def _refuse_report_folder(config: Any, folder: str | None) -> None:
+    """A report folder gets OUT's path checks before any weight is read: a
+    folder that can be made, never one that adds files to an input."""
+    if folder is not None:
+        from mergekit_ram.integration.output_folder import resolve_output
+        from mergekit_ram.integration.publishing import refuse_input_folder
+
+        resolve_output(folder, "report folder")
+        refuse_input_folder(config, folder, "report folder")
+
+
+def _emit(report: dict, out_dir: str | None) -> None:
+    from mergekit_ram.commands.render import render_text
+    from mergekit_ram.commands.report_files import write_report
+
+    click.echo(render_text(report), nl=False)
+    if out_dir is not None:
+        _paths, message = write_report(report, out_dir)
+        click.echo(message)
+
+
+@click.command("merge", cls=_Command, help=COMMANDS["merge"].help)
+@click.argument("config_file", type=click.Path())
+@click.argument("out_path", type=click.Path())
+@click.option(
+    "--report",
+    "report_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Also write the analyze report here, from the merge's own statistics.",
+)
+@add_merge_options
+def merge(
+    merge_options: MergeOptions,
+    config_file: str,
+    out_path: str,
+    report_dir: str | None,
+) -> None:
+    from mergekit_ram.commands.api import run_merge
+
+    install()
+    merge_options.apply_global_options()
+    config, source = _load(config_file, out_path)
+    _refuse_report_folder(config, report_dir)
+    if report_dir is None:
+        run_merge(config, out_path, options=merge_options, config_source=source)
+        return
+
+    from mergekit_ram.commands.analysis import merge_with_analysis
+    from mergekit_ram.commands.report import build_report
+
+    analysis = merge_with_analysis(
+        config, out_path, merge_options, source, echo=click.echo
+    )
+    _emit(build_report(analysis), report_dir)
+
+
+# The MergeOptions fields analyze reads: where and how models are found and
+# loaded (mergekit's planner and loader cache), where the statistics pass
+# computes, and logging. The others shape a merge's execution or its output
+# (shards, model card, tokenizer copy, seed, multi-GPU, writer threads).
+ANALYZE_OPTIONS = frozenset(
+    {
+        "allow_crimes",
+        "unsafe_truncate_embeddings",
+        "transformers_cache",
+        "lora_merge_cache",
+        "lora_merge_dtype",
+        "trust_remote_code",
+        "lazy_unpickle",
+        "cuda",
+        "device",
+        "low_cpu_memory",
+        "read_to_gpu",
+        "num_threads",
+        "verbosity",
+        "quiet",
+    }
+)
+
+
+def _analyze_options_only(command: click.Command) -> click.Command:
+    """`command` without the merge options analyze would ignore: an option it
+    accepts is one it uses, and any other is a usage error."""
+    ignored = set(MergeOptions.model_fields) - ANALYZE_OPTIONS
+    command.params = [p for p in command.params if p.name not in ignored]
+    return command
+
+
+@_analyze_options_only
+@click.command("analyze", cls=_Command, help=COMMANDS["analyze"].help)
+@click.argument("config_file", type=click.Path())
+@click.option(
+    "--out",
+    "out_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Write report.json, report.md and PNG figures here.",
+)
+@click.option(
+    "--epsilon",
+    type=float,
+    default=None,
+    callback=_finite_number,
+    help="Change threshold |θ_t − θ₀| > epsilon (default: the config's, or 1e-5).",
+)
+@click.option(
+    "--r",
+    "r_values",
+    default=None,
+    metavar="R[,R...]",
+    help="Tabulate λ per task for these r values, e.g. 0,0.05,0.1,0.2.",
+)
+@add_merge_options
+def analyze(
+    merge_options: MergeOptions,
+    config_file: str,
+    out_dir: str | None,
+    epsilon: float | None,
+    r_values: str | None,
+) -> None:
+    from mergekit_ram.commands.analysis import analyze_config
+    from mergekit_ram.commands.report import build_report
+    from mergekit_ram.integration.validation import validate_analysis
+
+    sweep = None
+    if r_values is not None:
+        try:
+            sweep = parse_r_values(r_values)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--r") from error
+    install()
+    merge_options.apply_global_options()
+    config, _source = _load(config_file)
+    _refuse_report_folder(config, out_dir)
+    validate_analysis(config, merge_options)
+    try:
+        analysis = analyze_config(config, merge_options, epsilon=epsilon)
+    except RAMInputError:
+        raise
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    _emit(build_report(analysis, sweep), out_dir)
+    if out_dir is None:
+        click.echo("Add --out DIR for report.json, report.md and the figures.")
+
+
+def parse_r_values(text: str) -> list[float]:
+    """'0,0.05,0.1' → [0.0, 0.05, 0.1]; every value finite and ≥ 0."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        value = float(part)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"r must be a finite number ≥ 0, got {part!r}")
+        values.append(value)
+    if not values:
+        raise ValueError("no r value given")
+    return values
