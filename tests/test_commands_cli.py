@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Collection
 
 import click
@@ -145,3 +148,113 @@ def test_version_names_both_packages():
     ours = importlib.metadata.version("mergekit-ram")
     host = importlib.metadata.version("mergekit")
     assert result.output == f"mergekit-ram {ours}, mergekit {host}\n"
+
+
+# --- commands that answer at once (issue 29 item 3) ------------------------------
+
+IMPORTS = """
+import sys
+from mergekit_ram.commands.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    code = done.code
+heavy = sorted(m for m in ("torch", "mergekit", "transformers") if m in sys.modules)
+print("HEAVY", ",".join(heavy), code)
+"""
+
+
+def run_cli(tmp_path, *args: str) -> tuple[str, list[str]]:
+    """Output and the heavy modules imported, of one fresh `mergekit-ram` process."""
+    env = {**os.environ, "MERGEKIT_RAM_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    output, last = done.stdout.rsplit("HEAVY", 1)
+    heavy, code = last.split()[:-1], last.split()[-1]
+    assert code in ("0", "None"), done.stdout + done.stderr
+    return output, [m for m in ",".join(heavy).split(",") if m]
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["demo", "--help"]])
+def test_version_and_help_import_neither_torch_nor_mergekit(tmp_path, args):
+    output, heavy = run_cli(tmp_path, *args)
+    assert output.strip() and heavy == []
+
+
+@pytest.mark.parametrize("command", ["merge", "analyze"])
+def test_command_help_is_kept_and_then_answered_without_mergekit(tmp_path, command):
+    """The first `merge --help` imports mergekit (its options are mergekit's);
+    the next prints the same text without importing it."""
+    first, heavy = run_cli(tmp_path, command, "--help")
+    assert "mergekit" in heavy and "CONFIG_FILE" in first
+    again, heavy = run_cli(tmp_path, command, "--help")
+    assert again == first and heavy == []
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_top_level_help_shows_each_description_whole():
+    from mergekit_ram.commands.cli import COMMANDS
+
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.output.split())
+    for entry in COMMANDS.values():
+        assert " ".join(entry.help.split()) in flat
+
+
+def test_python_dash_m_runs_the_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "mergekit_ram", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("mergekit-ram ")
+
+
+# --- messages a newcomer meets (issue 30 items 3 and 5) ---------------------------
+
+
+def test_swapped_arguments_say_which_is_which(sanity_family, tmp_path):
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    result = CliRunner().invoke(main, ["merge", str(merged), str(config)])
+    assert result.exit_code == 2, result.output
+    assert f"CONFIG_FILE {merged} is a folder" in result.output
+    assert "mergekit-ram merge CONFIG_FILE OUT_PATH" in result.output
+    assert "Traceback" not in result.output and os.listdir(merged) == []
+
+
+def test_a_binary_config_file_is_named(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}\xbd\xff")
+    result = CliRunner().invoke(main, ["merge", str(weights), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "is not a text file" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+@pytest.mark.parametrize(
+    "flag, says",
+    [
+        ("--gpu-rich", "--gpu-rich: this machine has no cuda device"),
+        ("--read-to-gpu", "--read-to-gpu: the merge computes on the CPU"),
+    ],
+)
+def test_gpu_flags_on_a_cpu_machine_name_the_flag_typed(
+    sanity_family, tmp_path, flag, says
+):
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
+    result = CliRunner().invoke(main, ["merge", str(config), str(tmp_path / "o"), flag])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
