@@ -54,8 +54,11 @@ GRAPH = {
 
 
 def layer(name: str) -> int | None:
-    """0 core, 1 integration, 2 commands; None for the top-level package."""
+    """0 core, 1 integration, 2 commands (`python -m mergekit_ram` runs a
+    command); None for the top-level package."""
     parts = name.split(".")
+    if parts[1:] == ["__main__"]:
+        return LAYERS["commands"]
     return LAYERS.get(parts[1]) if len(parts) > 1 else None
 
 
