@@ -37,7 +37,7 @@ from mergekit_ram.commands.synthetic import (  # noqa: E402
     merge_yaml,
 )
 from mergekit_ram.core.checks import finite_output  # noqa: E402
-from mergekit_ram.core.headers import check_models  # noqa: E402
+from mergekit_ram.integration.checkpoints import check_models  # noqa: E402
 
 
 def model_shape(params: float) -> dict:

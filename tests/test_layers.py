@@ -16,7 +16,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "mergekit_ram"
 LAYERS = {"core": 0, "integration": 1, "commands": 2}
 # Third-party packages core must not import: it is torch and the standard library.
-NOT_IN_CORE = ("mergekit", "click", "transformers", "huggingface_hub", "yaml")
+NOT_IN_CORE = (
+    "mergekit",
+    "click",
+    "transformers",
+    "huggingface_hub",
+    "yaml",
+    "safetensors",
+)
+# Nor the file system: reading checkpoints is integration.checkpoints' job.
+FILE_SYSTEM = ("os", "pathlib", "shutil", "io", "stat", "tempfile", "glob")
 
 
 def module_name(path: Path) -> str:
@@ -86,6 +95,26 @@ def test_core_imports_only_torch_and_the_standard_library():
         for imported in imports_of(path)
         if imported.split(".")[0] in NOT_IN_CORE
     ]
+    assert found == []
+
+
+def test_core_touches_no_file():
+    """core is the math: no file-system module, no built-in open()."""
+    found = []
+    for name, path in MODULES.items():
+        if layer(name) != 0:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [
+            f"{name} imports {imported}"
+            for imported in imports_in(path.read_text(encoding="utf-8"))
+            if imported.split(".")[0] in FILE_SYSTEM
+        ]
+        found += [
+            f"{name} calls open() at line {node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "open"
+        ]
     assert found == []
 
 

@@ -19,7 +19,7 @@ import time
 
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.weight_files import WEIGHT_FILES
+from mergekit_ram.integration.checkpoints import WEIGHT_FILES
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.results import STATISTICS_FILE
 from mergekit_ram.integration.tables import percent, text_table

@@ -19,7 +19,7 @@ from mergekit.config import (
 )
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.paths import first_duplicate, identity
+from mergekit_ram.integration.checkpoints import first_duplicate, identity
 
 
 @dataclass(frozen=True)

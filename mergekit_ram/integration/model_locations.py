@@ -27,8 +27,11 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.headers import check_models, regular_file
-from mergekit_ram.core.weight_files import WEIGHT_FILES
+from mergekit_ram.integration.checkpoints import (
+    WEIGHT_FILES,
+    check_models,
+    regular_file,
+)
 from mergekit_ram.integration.config_groups import Group
 from mergekit_ram.integration.hub import hub_reachable, is_repo_id, silent_hub
 

@@ -33,7 +33,6 @@ import errno
 import json
 import logging
 import os
-import re
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from filelock import FileLock, Timeout
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.weight_files import INDEX_FILES
+from mergekit_ram.integration.checkpoints import INDEX_FILES, WRITTEN_WEIGHTS
 from mergekit_ram.integration.interrupts import Interrupted, interruptions, signal_name
 
 LOG = logging.getLogger(__name__)
@@ -60,11 +59,6 @@ VERSION = 1
 STATE_LIMIT = 16 << 20  # bytes: a journal or manifest of ours is far smaller
 # Present only in a folder a merge wrote (the recipe; global RAM+ statistics).
 MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
-# mergekit's TensorWriter names: model.safetensors, model-1.safetensors (not
-# yet finalized), model-00001-of-00002.safetensors, the index; also .bin.
-WEIGHTS = re.compile(
-    r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
-)
 # Files only a merge writes, removed when a new merge into OUT does not.
 MERGE_OUTPUTS = (*MERGE_SIGNS, *INDEX_FILES)
 MODEL_CONFIG = "config.json"  # what makes a folder load as a model
@@ -90,7 +84,7 @@ def previous_merge(names: set[str]) -> bool:
 def check_output(out: str) -> None:
     """Refuse a folder with someone else's weights: the merge would mix with them."""
     names = set(os.listdir(out))
-    foreign = sorted(n for n in names if WEIGHTS.fullmatch(n))
+    foreign = sorted(n for n in names if WRITTEN_WEIGHTS.fullmatch(n))
     if foreign and not previous_merge(names) and not _read_manifest(out):
         raise OutputError(
             f"The output folder {out} holds model weights ({', '.join(foreign)}) "
@@ -425,7 +419,7 @@ class OutputState:
         names = os.listdir(self.target)
         if recorded or previous_merge(set(names)):
             for name in names:
-                if name in MERGE_OUTPUTS or WEIGHTS.fullmatch(name):
+                if name in MERGE_OUTPUTS or WRITTEN_WEIGHTS.fullmatch(name):
                     identity = _identity(self.out(name))
                     if identity is not None and identity[0] == "file":
                         found[name] = identity

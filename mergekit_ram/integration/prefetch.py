@@ -12,9 +12,7 @@ fails, the pass reads exactly as before.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -22,30 +20,13 @@ from typing import Any
 from mergekit.graph import ExecutionSchedule, TaskHandle
 from mergekit.io.tasks import LoaderCache, LoadTensor
 
+from mergekit_ram.integration.checkpoints import safetensors_spans
+
 # (file, first byte, length) of one tensor's data.
 Span = tuple[str, int, int]
 # What a file that is not the safetensors it claims to be raises here; it
 # gets no hint (validation refuses truncated and corrupt files before a pass).
 UNREADABLE = (OSError, ValueError, KeyError, TypeError)
-
-
-def safetensors_spans(path: str) -> dict[str, tuple[int, int]]:
-    """Each tensor's (first byte, length) in a safetensors file, from its header
-    (8-byte little-endian length, then the JSON header; data follows it)."""
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < size <= os.fstat(handle.fileno()).st_size - 8:
-            raise ValueError(f"{path}: no safetensors header")
-        header = json.loads(handle.read(size))
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: the safetensors header is not a JSON object")
-    spans = {}
-    for name, entry in header.items():
-        if name != "__metadata__":
-            first, end = entry["data_offsets"]
-            spans[name] = (8 + size + first, end - first)
-    return spans
 
 
 def loads_per_group(

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.paths import output_conflict
+from mergekit_ram.integration.checkpoints import output_conflict
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.errors import ClickInputError
 from mergekit_ram.integration.methods import is_ours

@@ -1,4 +1,10 @@
-"""Every input's checkpoint files checked from their headers, before a weight is read.
+"""What a model folder holds and reads, from the file system, before a weight is read.
+
+The one place that knows checkpoints on disk: which files are weights (one
+file, or an index naming shards, as mergekit's loader looks for them, and
+the names mergekit's writer gives them), which files a model's readers open,
+where each tensor's bytes lie (the statistics pass's read-ahead), folders
+by identity, and every input's checkpoint files checked from their headers.
 
 The safetensors library validates each file's header (opening a file reads
 only its header: a corrupt, truncated or padded file, overlapping tensors,
@@ -15,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
-from collections.abc import Callable, Collection, Mapping, Sequence
+import struct
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,7 +32,19 @@ from safetensors import SafetensorError, safe_open
 
 from mergekit_ram.core.checks import check_layout, uncomputable
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.weight_files import SINGLE_FILES
+
+# The weight files mergekit's ShardedTensorIndex.from_disk looks for in a model
+# folder: one file, or an index naming shards. (mergekit's own list lives in a
+# script module, mergekit.scripts.multimerge, whose import loads mergekit.merge:
+# it would re-enter the autoload install while this package is half-imported.)
+SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = tuple(f"{name}.index.json" for name in SINGLE_FILES)
+WEIGHT_FILES = tuple(n for pair in zip(SINGLE_FILES, INDEX_FILES) for n in pair)
+# mergekit's TensorWriter names: model.safetensors, model-1.safetensors (not
+# yet finalized), model-00001-of-00002.safetensors, the index; also .bin.
+WRITTEN_WEIGHTS = re.compile(
+    r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
+)
 
 # safetensors' dtype names and torch's; a name torch (or this torch) has no
 # dtype for (F4, F6_*; U16-U64 before torch 2.3) maps to None.
@@ -320,3 +340,93 @@ def _missing(
         "base's tensors: save the task model with every tensor of the base "
         "(an untied lm_head included), or merge models of one architecture."
     )
+
+
+# --- folders by identity, and the files a model reads ---------------------------
+
+
+def identity(path: str) -> str:
+    """A local path resolved (symlinks, `..`); a hub id as written."""
+    return os.path.realpath(path) if os.path.exists(path) else path
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether resolved `path` is `folder` or lies below it."""
+    return os.path.commonpath([path, folder]) == folder
+
+
+def first_duplicate(
+    entries: Sequence[tuple[str, str]],
+) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """The first (label, path) whose path names the same folder as an earlier one."""
+    seen: dict[str, tuple[str, str]] = {}
+    for label, path in entries:
+        key = identity(path)
+        if key in seen:
+            return seen[key], (label, path)
+        seen[key] = (label, path)
+    return None
+
+
+def read_files(folder: str) -> list[str]:
+    """The names of the files a model folder's readers open: its entries and
+    every shard its weight indexes name (which may point anywhere)."""
+    names = sorted(os.listdir(folder))
+    for index in INDEX_FILES:
+        try:
+            with open(os.path.join(folder, index), encoding="utf-8") as handle:
+                weight_map = json.load(handle).get("weight_map", {})
+        except (OSError, ValueError, AttributeError):
+            continue  # missing or unreadable: the header checks report it
+        if isinstance(weight_map, dict):
+            names += sorted({v for v in weight_map.values() if isinstance(v, str)})
+    return names
+
+
+def output_conflict(
+    out: str, inputs: Iterable[tuple[str, str]], role: str = "output folder"
+) -> str | None:
+    """Why writing `out` would change an input (None when it would not).
+
+    `out` must not be an input folder, lie inside one or hold one, and no
+    file an input reads (its entries, the shards its index names) may resolve
+    into `out`.
+    """
+    target = os.path.realpath(out)
+    for input_role, path in inputs:
+        if not os.path.isdir(path):
+            continue
+        folder = os.path.realpath(path)
+        if inside(target, folder):
+            where = "is" if target == folder else "lies inside"
+            return f"The {role} {out} {where} the input {input_role} {path}"
+        if inside(folder, target):
+            return f"The input {input_role} {path} lies inside the {role} {out}"
+        for name in read_files(path):
+            linked = os.path.realpath(os.path.join(path, name))
+            if inside(linked, target):
+                return (
+                    f"The input {input_role} {path} reads {name}, which resolves "
+                    f"to {linked} inside the {role} {out}"
+                )
+    return None
+
+
+def safetensors_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Each tensor's (first byte, length) in a safetensors file, from its raw
+    header (8-byte little-endian length, then JSON; data follows): the byte
+    ranges the read-ahead hints, which the safetensors library does not give."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < size <= os.fstat(handle.fileno()).st_size - 8:
+            raise ValueError(f"{path}: no safetensors header")
+        header = json.loads(handle.read(size))
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    spans = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            first, end = entry["data_offsets"]
+            spans[name] = (8 + size + first, end - first)
+    return spans

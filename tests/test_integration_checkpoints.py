@@ -22,7 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.headers import check_models, model_tensors, safetensors_header
+from mergekit_ram.integration.checkpoints import (
+    check_models,
+    model_tensors,
+    safetensors_header,
+)
 from mergekit_ram.integration.validation import validate_config
 
 
@@ -169,7 +173,7 @@ def test_unreadable_file_reported_as_such(family, tmp_path, monkeypatch):
     """Issue 27 item 11: a file without read permission was "No such file …
     truncated, corrupt". (As root chmod cannot take the permission away: the
     refusal the OS gives a user is stood in for.)"""
-    import mergekit_ram.core.headers as headers
+    import mergekit_ram.integration.checkpoints as headers
 
     task = copy_task(family, tmp_path)
     real_open = open

@@ -14,7 +14,7 @@ from rejected_inputs import no_weight_reads
 
 import mergekit_ram
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.paths import first_duplicate, output_conflict
+from mergekit_ram.integration.checkpoints import first_duplicate, output_conflict
 
 
 @pytest.fixture(scope="module")
