@@ -280,6 +280,57 @@ CASES: tuple[Case, ...] = (
         },
         ("Exactly one of 'models', 'slices', or 'modules'",),
     ),
+    # ---- keys mergekit would silently drop, methods it does not know
+    Case(
+        "key-typo-top-level",
+        "`paramters: {r: 0.5}` (a typo at the top level)",
+        lambda ws: {**ws.config(), "paramters": {"r": 0.5}},
+        ("paramters:", "would ignore it", "Did you mean 'parameters'?"),
+    ),
+    Case(
+        "parameter-at-top-level",
+        "`r: 0.5` at the top level, not under `parameters:`",
+        lambda ws: {**ws.config(), "r": 0.5},
+        ("r: mergekit does not read 'r' here", "write it under parameters"),
+    ),
+    Case(
+        "parameter-on-a-model-entry",
+        "`unique_scale: 3` directly on a model entry",
+        lambda ws: ws.config(
+            models=[{"model": ws.family.paths["alpha"], "unique_scale": 3}]
+            + ws.models("beta")
+        ),
+        ("models[0].unique_scale", "write it under models[0].parameters"),
+    ),
+    Case(
+        "parameter-singular-under-a-model",
+        "`parameter:` (singular) under a model",
+        lambda ws: ws.config(
+            models=[{"model": ws.family.paths["alpha"], "parameter": {"r": 1}}]
+            + ws.models("beta")
+        ),
+        ("models[0].parameter", "Did you mean 'parameters'?"),
+    ),
+    Case(
+        "two-mistakes-in-one-file",
+        "two mistakes in one file (a typo'd key and a negative `r`)",
+        lambda ws: {**ws.config(parameters={"r": -1}), "dtyp": "bfloat16"},
+        ("has 2 problems", "Did you mean 'dtype'?", "parameters.r: -1 is negative"),
+    ),
+    *(
+        Case(
+            f"method-{slug}",
+            f"`merge_method: {method}`",
+            lambda ws, method=method: ws.config(merge_method=method),
+            (f"'{method}' is not a merge method", f"Did you mean '{meant}'?"),
+        )
+        for slug, method, meant in (
+            ("rammplus", "rammplus", "ramplus"),
+            ("upper-case", "RAM", "ram"),
+            ("ram-plus-sign", "ram+", "ramplus"),
+            ("ram-underscore-plus", "ram_plus", "ramplus"),
+        )
+    ),
     # ---- which models are merged
     Case(
         "no-base",
@@ -736,8 +787,9 @@ def run_case(case: Case, ws: Workspace) -> Outcome:
     finally:
         os.chdir(previous)
     output = placeholders(result.output, ws)
-    found = re.search(r"^Error: (.*)$", output, flags=re.MULTILINE)
-    return Outcome(result.exit_code, output, found.group(1) if found else "")
+    # One paragraph, or a block listing several problems, to the end.
+    found = re.search(r"^Error: (.*)", output, flags=re.MULTILINE | re.DOTALL)
+    return Outcome(result.exit_code, output, found.group(1).strip() if found else "")
 
 
 def placeholders(text: str, ws: Workspace) -> str:
@@ -759,8 +811,9 @@ def render_table(outcomes: dict[str, Outcome]) -> str:
 
 
 def _cell(text: str) -> str:
-    """Table-safe: a | would split the cell, a < would start an HTML tag."""
-    return text.replace("|", "\\|").replace("<", "&lt;")
+    """Table-safe: a | would split the cell, a < would start an HTML tag, a
+    block's lines are shown as lines."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", "<br>")
 
 
 def errors_block(page: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 from huggingface_hub import constants
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
@@ -26,6 +27,7 @@ from rejected_inputs import (
     Workspace,
     errors_block,
     no_weight_reads,
+    placeholders,
     render_table,
     run_case,
 )
@@ -282,3 +284,34 @@ def test_unreachable_hub_is_one_error_paragraph(family_f32, tmp_path, command):
     assert env["HF_ENDPOINT"] in line
     assert elapsed < 30
     assert not (tmp_path / "out").exists()
+
+
+# Mistakes stock mergekit silently ignored (or met with a traceback): refused
+# by `mergekit-yaml` itself too, with the message `mergekit-ram merge` prints.
+DROPPED = [
+    case
+    for case in CASES
+    if case.id.split("-")[0] in ("key", "parameter", "two", "method")
+]
+
+
+@pytest.mark.parametrize("case", DROPPED, ids=lambda case: case.id)
+def test_stock_mergekit_yaml_refuses_the_same_mistakes(case, outcomes, workspace):
+    from mergekit.scripts.run_yaml import main as mergekit_yaml
+
+    mergekit_ram.install()
+    assert len(DROPPED) == 9
+    config = workspace.root / f"{case.id}.yml"  # written by the outcomes run
+    out = workspace.root / f"stock-{case.id}"
+    previous = os.getcwd()
+    os.chdir(workspace.root)
+    try:
+        with no_weight_reads():
+            result = CliRunner().invoke(mergekit_yaml, [str(config), str(out)])
+    finally:
+        os.chdir(previous)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    printed = placeholders(result.output, workspace).strip()
+    assert printed == f"Error: {outcomes[case.id].message}"
+    assert not out.exists()

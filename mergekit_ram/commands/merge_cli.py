@@ -20,8 +20,10 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from pydantic import ValidationError
 
 from mergekit_ram.commands.cli import COMMANDS, keep_help
-from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.integration.install import install
+from mergekit_ram.integration.methods import is_ours
+from mergekit_ram.integration.validation import key_problems
 
 
 class _Command(PrettyPrintHelp):
@@ -40,10 +42,10 @@ PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
 
 def _load(
     config_file: str, out_path: str | None = None
-) -> tuple[MergeConfiguration, str]:
-    """The configuration and its text; a CONFIG_FILE that is no YAML text
-    (swapped with OUT_PATH, a folder, binary), bad YAML or schema is a
-    RAMInputError."""
+) -> tuple[MergeConfiguration, str, Any]:
+    """The configuration, its text and the document as written; a
+    CONFIG_FILE that is no YAML text (swapped with OUT_PATH, a folder,
+    binary), bad YAML or schema is a RAMInputError."""
     source = _read_text(config_file, out_path)
     loader = yaml.SafeLoader(source)
     try:
@@ -61,15 +63,21 @@ def _load(
     finally:
         loader.dispose()
     try:
-        return MergeConfiguration.model_validate(document), source
+        return MergeConfiguration.model_validate(document), source, document
     except ValidationError as error:
         problem = _schema_problems(error)
     except RuntimeError as error:  # mergekit's own validators raise these
         problem = str(error)
-    raise RAMInputError(
+    problems = Problems(config_file)
+    problems.add(
         f"{config_file} is not a valid mergekit configuration: {problem}. "
         f"{examples_hint()}"
     )
+    method = document.get("merge_method") if isinstance(document, dict) else None
+    if is_ours(method):
+        for found in key_problems(document, method):
+            problems.add(found)  # a typo'd key is often why the schema failed
+    raise problems.error()
 
 
 def _read_text(config_file: str, out_path: str | None) -> str:
@@ -242,7 +250,7 @@ def merge(
 
     install()
     merge_options.apply_global_options()
-    config, source = _load(config_file, out_path)
+    config, source, _document = _load(config_file, out_path)
     _refuse_report_folder(config, report_dir)
     if report_dir is None:
         run_merge(config, out_path, options=merge_options, config_source=source)
@@ -333,9 +341,9 @@ def analyze(
             raise click.BadParameter(str(error), param_hint="--r") from error
     install()
     merge_options.apply_global_options()
-    config, _source = _load(config_file)
+    config, _source, document = _load(config_file)
     _refuse_report_folder(config, out_dir)
-    validate_analysis(config, merge_options)
+    validate_analysis(config, merge_options, document)
     try:
         analysis = analyze_config(config, merge_options, epsilon=epsilon)
     except RAMInputError:

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def paragraphs(message: str) -> str:
+    """Each line of `message` as one paragraph (runs of whitespace joined):
+    a message is one paragraph, a block of problems one per line."""
+    lines = (" ".join(line.split()) for line in message.splitlines())
+    return "\n".join(line for line in lines if line)
+
 
 class RAMInputError(ValueError):
     """A config, model or tensor the user can fix.
@@ -14,5 +24,40 @@ class RAMInputError(ValueError):
     exit_code = 2  # what the command-line tools exit with on it
 
     def __init__(self, message: str) -> None:
-        self.message = " ".join(message.split())  # one paragraph
+        self.message = paragraphs(message)
         super().__init__(self.message)
+
+
+class Problems:
+    """Every problem of one input, reported together (one Error block, not
+    one problem per run): checks run inside `check()`, and `raise_any`
+    raises one RAMInputError listing what they found."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        self.found: list[str] = []
+
+    def add(self, message: str) -> None:
+        if message not in self.found:
+            self.found.append(message)
+
+    @contextmanager
+    def check(self) -> Iterator[None]:
+        """Run a check; the problem it raises is kept, and the caller goes on."""
+        try:
+            yield
+        except RAMInputError as error:
+            self.add(error.message)
+
+    def error(self) -> RAMInputError:
+        """The one error listing every problem found (there is at least one)."""
+        if len(self.found) == 1:
+            return RAMInputError(self.found[0])
+        listed = "\n".join(f"- {problem}" for problem in self.found)
+        return RAMInputError(
+            f"{self.subject} has {len(self.found)} problems:\n{listed}"
+        )
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise self.error()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.errors import RAMInputError, paragraphs
 
 
 class ClickInputError(click.ClickException, RAMInputError):
@@ -19,4 +19,4 @@ class ClickInputError(click.ClickException, RAMInputError):
     exit_code = 2
 
     def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+        super().__init__(paragraphs(message))

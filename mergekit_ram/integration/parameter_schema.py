@@ -22,7 +22,7 @@ from mergekit.config import ConditionalParameter, MergeConfiguration
 from mergekit.merge_methods.base import ParameterScope, ParameterSpec
 from pydantic import ValidationError
 
-from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.settings import (
     SCALAR_KEYS,
@@ -40,25 +40,33 @@ RESCALE_FACTOR_HINT = (
 )
 
 
-def check_parameters(groups: list[Group], method: RAMMerge) -> None:
+def check_parameters(groups: list[Group], method: RAMMerge, problems: Problems) -> None:
+    """Every parameters mapping's keys and values against the method's spec;
+    each problem goes to `problems`. The rules across mappings (one value
+    for global statistics, density with ties) run once the values are right."""
     specs = {spec.name: spec for spec in method.spec.parameters}
     name = method.spec.name
+    before = len(problems.found)
     for block in _unique_blocks(groups):
         for key, setting in block.settings.items():
-            spec = specs.get(key)
-            if spec is None:
-                raise _unknown(block, key, name, specs)
-            _check_scope(block, spec)
-            if _empty(setting):
-                raise RAMInputError(
-                    f"{block.where(key)}: an empty list gives {key} no value, "
-                    "and mergekit would silently use the default. Write a value "
-                    "or remove the key."
-                )
-            for value in _leaves(setting):
-                _check_value(block, spec, value)
-    _check_one_value(groups, specs)
-    _check_density(groups, specs)
+            with problems.check():
+                spec = specs.get(key)
+                if spec is None:
+                    raise _unknown(block, key, name, specs)
+                _check_scope(block, spec)
+                if _empty(setting):
+                    raise RAMInputError(
+                        f"{block.where(key)}: an empty list gives {key} no "
+                        "value, and mergekit would silently use the default. "
+                        "Write a value or remove the key."
+                    )
+                for value in _leaves(setting):
+                    _check_value(block, spec, value)
+    if len(problems.found) == before:
+        with problems.check():
+            _check_one_value(groups, specs)
+        with problems.check():
+            _check_density(groups, specs)
 
 
 def _unique_blocks(groups: list[Group]) -> Iterator[Block]:

@@ -16,13 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import yaml
+
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import output_conflict
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.errors import ClickInputError
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.output_folder import staged_merge
-from mergekit_ram.integration.validation import validate_config
+from mergekit_ram.integration.validation import method_problem, validate_config
 
 
 def _inputs(config: Any) -> Iterator[tuple[str, str]]:
@@ -51,6 +53,15 @@ def refuse_input_folder(config: Any, folder: str, role: str = "output folder") -
         )
 
 
+def written(config_source: str | None) -> Any:
+    """The configuration as the user wrote it (its keys are checked: mergekit
+    drops the ones it does not read), where the caller passed its text."""
+    try:
+        return None if config_source is None else yaml.safe_load(config_source)
+    except yaml.YAMLError:
+        return None  # mergekit parsed it already; nothing more to learn here
+
+
 def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
     """mergekit's run_merge, checked and published file by file for RAM / RAM+."""
 
@@ -60,13 +71,16 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
         options: Any,
         config_source: str | None = None,
     ) -> Any:
+        problem = method_problem(merge_config.merge_method)
+        if problem is not None:  # mergekit would stop with a traceback
+            raise ClickInputError(problem)
         if not is_ours(merge_config.merge_method):
             return original(
                 merge_config, out_path, options=options, config_source=config_source
             )
 
         def check() -> None:
-            validate_config(merge_config, options)
+            validate_config(merge_config, options, written(config_source))
             refuse_input_folder(merge_config, out_path)
 
         try:

@@ -14,10 +14,20 @@ wrapper calls `validate_config`.
 
 from __future__ import annotations
 
-from mergekit.common import ModelReference
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
 
+from mergekit.common import ModelReference
+from mergekit.config import ConditionalParameter, MergeConfiguration
+from mergekit.merge_methods import registry
+from mergekit.options import MergeOptions
+from pydantic import BaseModel
+
+from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.integration.compute_options import check_device, check_dtypes
 from mergekit_ram.integration.config_groups import check_group, groups
 from mergekit_ram.integration.methods import METHODS, is_ours
@@ -35,48 +45,190 @@ from mergekit_ram.integration.parameter_schema import (
 
 
 def validate_config(
-    config: MergeConfiguration, options: MergeOptions | None = None
+    config: MergeConfiguration,
+    options: MergeOptions | None = None,
+    document: Any = None,
 ) -> None:
-    """Refuse a `ram` / `ramplus` merge the user must fix; other methods pass.
+    """Refuse a `ram` / `ramplus` merge the user must fix; other methods pass,
+    unless mergekit does not know the method at all.
 
-    Raises RAMInputError naming the key or model and the fix.
+    `document` is the YAML as written, where there is one: its keys are
+    checked too (mergekit drops the ones it does not read). Raises one
+    RAMInputError listing every problem, each naming the key or model and
+    the fix.
     """
+    problem = method_problem(config.merge_method)
+    if problem is not None:
+        raise RAMInputError(problem)
     if is_ours(config.merge_method):
-        _validate(config, options, f"merge_method {config.merge_method}")
+        _validate(config, options, f"merge_method {config.merge_method}", document)
 
 
 def validate_analysis(
-    config: MergeConfiguration, options: MergeOptions | None = None
+    config: MergeConfiguration,
+    options: MergeOptions | None = None,
+    document: Any = None,
 ) -> None:
     """Refuse what `mergekit-ram analyze` cannot measure, for any merge method.
 
-    The models must exist and form base + task models; the parameters are
-    only checked for our methods, whose r / alpha / saturation analyze uses.
+    The models must exist and form base + task models; the parameters and
+    keys are only checked for our methods, whose r / alpha / saturation
+    analyze uses; a method mergekit does not know is refused.
     """
-    _validate(config, options, "mergekit-ram analyze")
+    problem = method_problem(config.merge_method)
+    if problem is not None:
+        raise RAMInputError(problem)
+    _validate(config, options, "mergekit-ram analyze", document)
 
 
 def _validate(
-    config: MergeConfiguration, options: MergeOptions | None, user: str
+    config: MergeConfiguration,
+    options: MergeOptions | None,
+    user: str,
+    document: Any,
 ) -> None:
-    check_device(options)
+    """Every check, each problem kept: the user fixes them all in one go.
+    The headers are read only once the rest is right (they need the models)."""
+    problems = Problems("The configuration")
+    ours = is_ours(config.merge_method)
+    if ours and document is not None:
+        for problem in key_problems(document, config.merge_method):
+            problems.add(problem)
+    with problems.check():
+        check_device(options)
     found = groups(config)
     for group in found:
-        check_group(group, user)
+        with problems.check():
+            check_group(group, user)
     cache_dir = options.transformers_cache if options is not None else None
     for role, reference in model_references(config, found):
-        check_reference(reference, role, cache_dir)
+        with problems.check():
+            check_reference(reference, role, cache_dir)
     tokenizer = config.tokenizer.source if config.tokenizer else None
     for role, source in (
         ("tokenizer_source", config.tokenizer_source),
         ("tokenizer.source", tokenizer),
     ):
         if isinstance(source, ModelReference):
-            check_location(source.model, role, cache_dir, model=False)
-    check_layer_ranges(config)
-    if is_ours(config.merge_method):
-        check_dtypes(config)
+            with problems.check():
+                check_location(source.model, role, cache_dir, model=False)
+    with problems.check():
+        check_layer_ranges(config)
+    if ours:
+        with problems.check():
+            check_dtypes(config)
         method = next(m for m in METHODS if m.spec.name == config.merge_method)
-        check_parameters(found, method)
-        check_output_range(config, found, method)
-    check_headers(config, found, options)
+        check_parameters(found, method, problems)
+        if not problems.found:
+            with problems.check():
+                check_output_range(config, found, method)
+    if not problems.found:
+        with problems.check():
+            check_headers(config, found, options)
+    problems.raise_any()
+
+
+# --- keys mergekit would silently ignore, and method names it does not know -----
+
+
+def key_problems(document: Any, method: str) -> list[str]:
+    """Every key of a configuration's YAML that mergekit's schema does not
+    read (pydantic drops it without a word): a typo, or a setting in the
+    wrong place. `method` names ours in the messages."""
+
+    specs = {
+        s.name for m in METHODS if m.spec.name == method for s in m.spec.parameters
+    }
+    return list(_unknown_keys(document, MergeConfiguration, "", specs))
+
+
+def _unknown_keys(
+    value: Any, schema: type[BaseModel], where: str, parameters: set[str]
+) -> Iterator[str]:
+    if not isinstance(value, dict):
+        return
+    fields = schema.model_fields
+    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    for key, item in value.items():
+        label = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            yield _unknown_key(label, str(key), known, parameters, where)
+            continue
+        if key == "parameters":
+            continue  # each parameter is checked against the method's spec
+        inner = _schema_of(fields[key].annotation)
+        if inner is None:
+            continue
+        kind, model = inner
+        if kind == "list" and isinstance(item, list):
+            for index, element in enumerate(item):
+                yield from _unknown_keys(
+                    element, model, f"{label}[{index}]", parameters
+                )
+        elif kind == "dict" and isinstance(item, dict):
+            for name, element in item.items():
+                yield from _unknown_keys(element, model, f"{label}.{name}", parameters)
+        elif kind == "one":
+            yield from _unknown_keys(item, model, label, parameters)
+
+
+def _schema_of(annotation: Any) -> tuple[str, type[BaseModel]] | None:
+    """The one nested section model an annotation holds, and how: 'one',
+    'list' or 'dict' (None: a plain value, a model reference, a union)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _schema_of(inner[0]) if len(inner) == 1 else None
+    if origin in (list, tuple):
+        found = _schema_of(typing.get_args(annotation)[0])
+        return ("list", found[1]) if found and found[0] == "one" else None
+    if origin is dict:
+        found = _schema_of(typing.get_args(annotation)[1])
+        return ("dict", found[1]) if found and found[0] == "one" else None
+    plain = (ModelReference, ConditionalParameter)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None if issubclass(annotation, plain) else ("one", annotation)
+    return None
+
+
+def _unknown_key(
+    label: str, key: str, known: set[str], parameters: set[str], where: str
+) -> str:
+    ignored = f"{label}: mergekit does not read '{key}' here and would ignore it"
+    if key in parameters and "parameters" in known:
+        place = f"{where}.parameters" if where else "parameters"
+        return f"{ignored}. It is a merge parameter: write it under {place}."
+    close = _closest(key, known)
+    hint = f"Did you mean '{close}'?" if close else "Remove it."
+    return f"{ignored}. {hint} Keys read here: {', '.join(sorted(known))}."
+
+
+def _closest(name: str, choices: typing.Iterable[str]) -> str | None:
+    """The choice `name` most likely means: the same letters in another case
+    or with `+`/`_`/`-` written differently, else the closest spelling."""
+    folded = {_fold(choice): choice for choice in choices}
+    if _fold(name) in folded:
+        return folded[_fold(name)]
+    close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.7)
+    return folded[close[0]] if close else None
+
+
+def _fold(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower().replace("+", "plus"))
+
+
+def method_problem(method: Any) -> str | None:
+    """Why mergekit would fail on `merge_method` (None: it knows the method).
+
+    mergekit looks the name up only while planning and stops with a
+    traceback; a name close to one it knows gets a suggestion."""
+    known = sorted(m.spec.name for m in registry.registered_methods())
+    if method in known:
+        return None
+    close = _closest(str(method), known)
+    ours = ", ".join(m.spec.name for m in METHODS)
+    hint = f"Did you mean '{close}'?" if close else f"RAM and RAM+ are {ours}."
+    return (
+        f"merge_method: {method!r} is not a merge method mergekit knows. {hint} "
+        f"Methods: {', '.join(known)}."
+    )
