@@ -743,7 +743,7 @@ def test_other_methods_are_left_to_mergekit(family, tmp_path):
 def test_configuration_is_validated_before_anything_is_touched(
     family, fresh, tmp_path, monkeypatch
 ):
-    def refuse(config, options):
+    def refuse(config, options, document):
         raise RAMInputError("bad config")
 
     monkeypatch.setattr(mergekit_ram.integration.publishing, "validate_config", refuse)

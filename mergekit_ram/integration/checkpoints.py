@@ -25,13 +25,12 @@ import re
 import stat
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-from safetensors import SafetensorError, safe_open
-
-from mergekit_ram.core.checks import check_layout, uncomputable
 from mergekit_ram.core.errors import RAMInputError
+
+if TYPE_CHECKING:
+    import torch
 
 # The weight files mergekit's ShardedTensorIndex.from_disk looks for in a model
 # folder: one file, or an index naming shards. (mergekit's own list lives in a
@@ -46,11 +45,11 @@ WRITTEN_WEIGHTS = re.compile(
     r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
 )
 
-# safetensors' dtype names and torch's; a name torch (or this torch) has no
-# dtype for (F4, F6_*; U16-U64 before torch 2.3) maps to None.
-DTYPES = {
-    name: getattr(torch, attribute, None)
-    for name, attribute in {
+# safetensors' dtype names and torch's. Torch and safetensors are imported
+# only by the header checks: the publisher and the read-ahead use this module
+# without them.
+TORCH_NAMES = dict(
+    {
         "F64": "float64",
         "F32": "float32",
         "F16": "float16",
@@ -70,8 +69,18 @@ DTYPES = {
         "U16": "uint16",
         "U8": "uint8",
         "BOOL": "bool",
-    }.items()
-}
+    }
+)
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """torch's dtype for a safetensors dtype name; None where torch (or this
+    torch) has none (F4, F6_*; U16-U64 before torch 2.3)."""
+    import torch
+
+    return getattr(torch, TORCH_NAMES.get(name, ""), None)
+
+
 FIX = (
     "Copy or download the checkpoint again (or save it again with "
     "save_pretrained); the merge has not started."
@@ -153,6 +162,8 @@ def regular_file(path: str, role: str, model: str) -> None:
 def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
     """The tensors a safetensors file declares, as the safetensors library
     validated its header (only the header is read)."""
+    from safetensors import SafetensorError, safe_open
+
     regular_file(path, role, model)
     name = os.path.basename(path)
     try:
@@ -161,7 +172,7 @@ def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
             return {
                 key: Tensor(
                     name,
-                    DTYPES.get(part.get_dtype()),
+                    torch_dtype(part.get_dtype()),
                     part.get_dtype(),
                     tuple(part.get_shape()),
                 )
@@ -179,6 +190,8 @@ def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
 
 def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
     """A pickled checkpoint's tensors, unpickled weights-only (no code runs)."""
+    import torch
+
     regular_file(path, role, model)
     name = os.path.basename(path)
     try:
@@ -272,6 +285,10 @@ def check_models(
     unknown); a tensor outside them is never loaded, so its dtype does not
     matter. It is called only when some dtype would be refused.
     """
+    import torch
+
+    from mergekit_ram.core.checks import check_layout
+
     names: list[Collection[str] | None] = []
 
     def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
@@ -322,6 +339,8 @@ def check_models(
 def _dtype_problem(tensor: Tensor) -> str | None:
     if tensor.dtype is None:
         return "has no torch dtype"
+    from mergekit_ram.core.checks import uncomputable
+
     return uncomputable(tensor.dtype)
 
 
