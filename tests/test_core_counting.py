@@ -9,16 +9,16 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
 
-from mergekit_ram.core import counting
+from mergekit_ram.core import counting, kernel, parallel
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
-    JOINT_LIMIT,
     OverlapStatistics,
     TaskCounts,
     group_tensors,
     tensor_overlaps,
 )
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.kernel import JOINT_LIMIT
 from mergekit_ram.core.scale import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
@@ -103,17 +103,22 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(
 
 
 def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads):
-    """Three threads, ten chunks: every chunk counted once, by runs of 3, 3, 4."""
+    """Three usable CPUs and threads, ten chunks: every chunk counted once,
+    by runs of 3, 3, 4 (as chunk starts)."""
     monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 3)
     torch_threads(3)
     runs = []
-    count_run = counting._count_run
+    run_on = kernel.run_on
 
-    def recording(flat_base, flat_tasks, starts, epsilon):
-        runs.append(list(starts))
-        return count_run(flat_base, flat_tasks, starts, epsilon)
+    def recording(work, items, device):
+        def spy(run):
+            runs.append([4 * index for index in run])
+            return work(run)
 
-    monkeypatch.setattr(counting, "_count_run", recording)
+        return run_on(spy, items, device)
+
+    monkeypatch.setattr(kernel, "run_on", recording)
     base, tasks = sparse_tasks((40,), [0.5, 0.3], seed=2)
     rows, pairs = tensor_overlaps(base, tasks, EPSILON)
     assert sorted(runs) == [[0, 4, 8], [12, 16, 20], [24, 28, 32, 36]]

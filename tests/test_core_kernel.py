@@ -288,3 +288,41 @@ def test_worked_example_soft():
     assert torch.equal(out[[2, 5]], ram[[2, 5]])
     expected_ref = ref_merge(base, tasks, r=0.1, saturation="soft", statistics="tensor")
     assert torch.allclose(out, expected_ref, rtol=0, atol=1e-7)
+
+
+def mergekit_order(base32, tasks, epsilon, scales):
+    """θ₀ + Σ_t where(m_t, τ_t/c (·λ_t if unique), −0.0), summed from −0.0 in
+    task order: the float32 steps of stock mergekit's `ram`, signs of zero
+    included."""
+    tau = [task.float() - base32 for task in tasks]
+    masks = [t.abs() > epsilon for t in tau]
+    counts = sum(m.int() for m in masks)
+    delta = torch.full_like(base32, -0.0)
+    for t, m, scale in zip(tau, masks, scales):
+        q = t / counts.clamp(min=1).float()
+        q = torch.where(counts == 1, q * torch.tensor(scale), q)
+        delta = delta + torch.where(m, q, torch.tensor(-0.0))
+    return base32 + delta
+
+
+@pytest.mark.parametrize("scales", [[1.0, 1.0, 1.0], [1.5, 0.25, 1.0]])
+def test_zero_signs_follow_mergekit_bit_for_bit(monkeypatch, scales):
+    """Bases of −0.0 and +0.0 next to unchanged, sub-ε, cancelling (x − x =
+    +0.0) and, with ε = 0, underflowing (τ/c rounds to ±0) elements; chunks
+    with and without a −0.0 base."""
+    from mergekit_ram.core import kernel
+
+    monkeypatch.setattr(kernel, "MERGE_CHUNK", 4)
+    tiny = 2.0**-149
+    base = torch.tensor([-0.0, 0.0, -0.0, -0.0, 1.0, 0.0, 2.0, 3.0, -0.0, -0.0])
+    deltas = [
+        [0.0, 0.0, 0.5, tiny, 0.0, -tiny, 0.25, 0.0, -0.0, 1e-30],
+        [0.0, -0.0, -0.5, tiny, 0.0, tiny, -0.25, 0.0, 0.0, -1e-30],
+        [-0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0],
+    ]
+    tasks = [base + torch.tensor(d) for d in deltas]
+    for epsilon in (0.0, 1e-5):
+        out = ram_merge_tensor(base, tasks, epsilon=epsilon, scales=scales)
+        want = mergekit_order(base, tasks, epsilon, scales)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), epsilon
+    assert out[0].item() == 0.0 and str(out[0].item()) == "-0.0"
