@@ -357,3 +357,39 @@ def test_in_order_refuses_an_order_without_every_counted_tensor():
     with pytest.raises(ValueError, match=r"\['head', 'layer.0.bias'\]"):
         stats.in_order(["embed", "layer.0.weight"])
     assert list(stats.per_tensor) == list(PROFILES)
+
+
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize(
+    "base_value, task_value, finite",
+    [
+        (0.5, 0.25, True),
+        (math.nan, 0.25, False),  # the base's NaN reaches every τ
+        (0.5, math.inf, False),
+        (math.inf, math.inf, False),  # ∞ − ∞ is NaN
+        (FLOAT_MAX, -FLOAT_MAX, False),  # finite inputs, τ overflows: a doubt only
+    ],
+)
+@pytest.mark.parametrize("chunk", [5, 1 << 16])
+def test_count_tells_whether_every_task_vector_is_finite(
+    monkeypatch, base_value, task_value, finite, chunk
+):
+    monkeypatch.setattr(counting, "COUNT_CHUNK", chunk)
+    base, tasks = sparse_tasks((13, 11), [0.4, 0.3], seed=6)
+    base[7, 3] = base_value
+    tasks[1][7, 3] = task_value
+    stats = OverlapStatistics(epsilon=EPSILON)
+    assert stats.add("w", base, dict(zip(IDS, tasks))) is finite
+    inputs_finite = math.isfinite(base_value) and math.isfinite(task_value)
+    if inputs_finite:
+        # Finite inputs pass the exact check, and were counted as the spec says.
+        finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
+        per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+        assert [c.histogram for c in stats.per_tensor["w"].values()] == (
+            reference.csu(per_tensor, 2)[3]
+        )
+    else:
+        with pytest.raises(RAMInputError, match="NaN"):
+            finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")

@@ -20,6 +20,7 @@ import torch
 from mergekit_ram.core.checks import check_layout
 from mergekit_ram.core.kernel import (
     change_mask,
+    checked_overlaps,
     count_masks,
     overlaps,
     overlaps_of,
@@ -153,19 +154,24 @@ class OverlapStatistics:
         name: str,
         base: torch.Tensor,
         tasks: Mapping[Hashable, torch.Tensor],
-    ) -> None:
-        """Count one tensor group (base plus task models' tensors)."""
+    ) -> bool | None:
+        """Count one tensor group (base plus task models' tensors); returns
+        whether every task vector was finite (None: not checked, see
+        `core.kernel.checked_overlaps`; never with inner products)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids = list(tasks)
         inputs = [tasks[i] for i in ids]
+        finite = None
         if self.inner_products:
             rows, pairs, products = overlaps_and_products(
                 base, inputs, self.epsilon, ids
             )
             self.products[name] = products
         else:
-            rows, pairs = tensor_overlaps(base, inputs, self.epsilon)
+            rows, pairs, finite = checked_overlaps(
+                base, inputs, self.epsilon, COUNT_CHUNK
+            )
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
@@ -174,6 +180,7 @@ class OverlapStatistics:
         self.per_tensor[name] = local
         self.num_tensors += 1
         self.num_elements += base.numel()
+        return finite
 
     def _add_to_total(self, task_id: Hashable, counts: TaskCounts) -> None:
         """Add one tensor's counts of a task to its totals (add and in_order)."""

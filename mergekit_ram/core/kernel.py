@@ -171,14 +171,23 @@ class ChunkReader:
         self._mask = torch.empty((len(flat_tasks), width), **like)
         self._counts = torch.empty(width, **like)
 
-    def read(self, start: int, stop: int, *, counted: bool = True) -> Chunk:
-        """θ₀, τ, m and (`counted`) c of elements [start, stop); overwrites
-        the last chunk read."""
+    def read(
+        self,
+        start: int,
+        stop: int,
+        *,
+        counted: bool = True,
+        summed: torch.Tensor | None = None,
+    ) -> Chunk:
+        """θ₀, τ, m and (`counted`) c of elements [start, stop), overwriting
+        the last chunk read; `summed`: a float32 scalar to add Σ τ to."""
         width = stop - start
         base32 = self._base32[:width].copy_(self._base[start:stop])
         tau, mask = self._tau[:, :width], self._mask[:, :width]
         for row, task in zip(tau, self._tasks):
             task_vector_into(row, task[start:stop], base32)
+        if summed is not None:
+            summed += tau.sum()
         change_mask(tau, self._epsilon, out=mask)
         counts = self._counts[:width]
         if counted:
@@ -398,34 +407,52 @@ def overlaps(
     elements at a time (`joint_patterns`); beyond, every mask is computed
     once and kept as bool (one byte per element and task) for this tensor.
     """
+    rows, pairs, _finite = checked_overlaps(base, tasks, epsilon, chunk)
+    return rows, pairs
+
+
+def checked_overlaps(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float, chunk: int
+) -> tuple[list[list[int]], list[list[int]], bool | None]:
+    """overlaps, and whether every τ was finite, which (with a task) holds
+    exactly when base and tasks are finite, save where θ_t − θ₀ overflows
+    float32 (None: not checked, beyond JOINT_LIMIT tasks or without one)."""
     if tasks and len(tasks) <= JOINT_LIMIT:
-        return decode_joint(joint_patterns(base, tasks, epsilon, chunk), len(tasks))
+        joint, finite = joint_patterns(base, tasks, epsilon, chunk)
+        return (*decode_joint(joint, len(tasks)), finite)
     base32 = base.to(dtype=torch.float32)
-    return overlaps_of(change_masks(base32, tasks, epsilon), base32)
+    return (*overlaps_of(change_masks(base32, tasks, epsilon), base32), None)
 
 
 @torch.no_grad()
 def joint_patterns(
     base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float, chunk: int
-) -> list[int]:
+) -> tuple[list[int], bool]:
     """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε), counted `chunk` elements at a time through ChunkReader
-    on the current pool's workers (integer counts add up to the same totals
-    in any order)."""
+    m = |τ_t| > ε), and whether every τ was finite; counted `chunk` elements
+    at a time through ChunkReader on the current pool's workers (integer
+    counts add up to the same totals in any order).
+
+    The finiteness rides on one sum per chunk: NaN and ±Inf carry into it,
+    and a sum that overflows only says "look closer" (checks.finite_inputs).
+    """
     flat_base = base.reshape(-1)
     flat_tasks = [task.reshape(-1) for task in tasks]
 
-    def count(steps: list[tuple[int, int]]) -> torch.Tensor:
+    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max((stop - start for start, stop in steps), default=0)
         reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
         codes = torch.empty(width, dtype=torch.float32, device=base.device)
         joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=base.device)
+        total = torch.zeros((), dtype=torch.float32, device=base.device)
         for start, stop in steps:
-            masks = reader.read(start, stop, counted=False).mask
-            joint += pattern_counts(masks, codes[: stop - start], len(tasks))
-        return joint
+            part = reader.read(start, stop, counted=False, summed=total)
+            joint += pattern_counts(part.mask, codes[: stop - start], len(tasks))
+        return joint, total
 
-    return sum(chunked_walk(flat_base, chunk, count)).tolist()
+    results = chunked_walk(flat_base, chunk, count)
+    joint = sum(part for part, _ in results).tolist()
+    return joint, all(bool(torch.isfinite(total)) for _, total in results)
 
 
 def pattern_counts(
