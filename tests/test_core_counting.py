@@ -7,7 +7,7 @@ import math
 import pytest
 import reference
 import torch
-from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
+from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
 from mergekit_ram.core import counting, kernel, parallel
 from mergekit_ram.core.checks import finite_inputs
@@ -43,9 +43,9 @@ def collected(base, tasks, ids=IDS, epsilon=EPSILON):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_overlap_histograms_equal_reference(n, dtype):
+def test_tensor_overlap_histograms_equal_reference(n, dtype, on_device):
     base, tasks = cast(*sparse_tasks((15, 11), [0.4, 0.3, 0.5, 0.2][:n], seed=n), dtype)
-    rows, _ = tensor_overlaps(base, tasks, EPSILON)
+    rows, _ = tensor_overlaps(*on(on_device, base, tasks), EPSILON)
     _, _, _, hist = reference_stats(*as_dicts(base, tasks))
     assert rows == hist
     assert all(len(row) == n for row in rows)
@@ -374,14 +374,15 @@ FLOAT_MAX = torch.finfo(torch.float32).max
 )
 @pytest.mark.parametrize("chunk", [5, 1 << 16])
 def test_count_tells_whether_every_task_vector_is_finite(
-    monkeypatch, base_value, task_value, finite, chunk
+    monkeypatch, base_value, task_value, finite, chunk, on_device
 ):
     monkeypatch.setattr(counting, "COUNT_CHUNK", chunk)
     base, tasks = sparse_tasks((13, 11), [0.4, 0.3], seed=6)
     base[7, 3] = base_value
     tasks[1][7, 3] = task_value
     stats = OverlapStatistics(epsilon=EPSILON)
-    assert stats.add("w", base, dict(zip(IDS, tasks))) is finite
+    on_base, on_tasks = on(on_device, base, tasks)
+    assert stats.add("w", on_base, dict(zip(IDS, on_tasks))) is finite
     inputs_finite = math.isfinite(base_value) and math.isfinite(task_value)
     if inputs_finite:
         # Finite inputs pass the exact check, and were counted as the spec says.

@@ -7,7 +7,7 @@ import math
 import pytest
 import reference
 import torch
-from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
@@ -37,17 +37,17 @@ def rule_fn(rule: ScaleRule, calls: list | None = None):
 
 
 @pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
-def case(request):
+def case(request, on_device):
     shape, densities = CASES[request.param]
     base, tasks = sparse_tasks(shape, densities, seed=request.param)
     assert_all_classes(base, tasks)
-    return base, tasks
+    return on(on_device, base, tasks)
 
 
 def test_ram_equals_reference_float32(case):
     base, tasks = case
     out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * len(tasks))
-    assert out.dtype == torch.float32
+    assert out.dtype == torch.float32 and out.device == base.device
     assert torch.equal(out, ref_merge(base, tasks))
 
 
@@ -305,24 +305,30 @@ def mergekit_order(base32, tasks, epsilon, scales):
     return base32 + delta
 
 
-@pytest.mark.parametrize("scales", [[1.0, 1.0, 1.0], [1.5, 0.25, 1.0]])
-def test_zero_signs_follow_mergekit_bit_for_bit(monkeypatch, scales):
+@pytest.mark.parametrize(
+    "scales", [[1.0, 1.0, 1.0], [1.5, 0.25, 1.0], [1e39, 1.0, 0.5]]
+)
+def test_zero_signs_follow_mergekit_bit_for_bit(monkeypatch, scales, on_device):
     """Bases of −0.0 and +0.0 next to unchanged, sub-ε, cancelling (x − x =
     +0.0) and, with ε = 0, underflowing (τ/c rounds to ±0) elements; chunks
-    with and without a −0.0 base."""
+    with and without a −0.0 base; a λ beyond float32 (∞ on its unique
+    elements, nothing else touched)."""
     from mergekit_ram.core import kernel
 
     monkeypatch.setattr(kernel, "MERGE_CHUNK", 4)
     tiny = 2.0**-149
-    base = torch.tensor([-0.0, 0.0, -0.0, -0.0, 1.0, 0.0, 2.0, 3.0, -0.0, -0.0])
+    base = torch.tensor([-0.0, 0.0, -0.0, -0.0, 1.0, 0.0, 2.0, 3.0, -0.0, -0.0, 0.5])
     deltas = [
-        [0.0, 0.0, 0.5, tiny, 0.0, -tiny, 0.25, 0.0, -0.0, 1e-30],
-        [0.0, -0.0, -0.5, tiny, 0.0, tiny, -0.25, 0.0, 0.0, -1e-30],
-        [-0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0],
+        [0.0, 0.0, 0.5, tiny, 0.0, -tiny, 0.25, 0.0, -0.0, 1e-30, 0.125],
+        [0.0, -0.0, -0.5, tiny, 0.0, tiny, -0.25, 0.0, 0.0, -1e-30, 0.0],
+        [-0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0],
     ]
     tasks = [base + torch.tensor(d) for d in deltas]
     for epsilon in (0.0, 1e-5):
-        out = ram_merge_tensor(base, tasks, epsilon=epsilon, scales=scales)
+        out = ram_merge_tensor(
+            *on(on_device, base, tasks), epsilon=epsilon, scales=scales
+        ).cpu()
         want = mergekit_order(base, tasks, epsilon, scales)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), epsilon
     assert out[0].item() == 0.0 and str(out[0].item()) == "-0.0"
+    assert out[10] == 0.5 + 0.125 * torch.tensor(scales[0])  # unique to task 0

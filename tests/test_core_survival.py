@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import reference
 import torch
-from tensors import EPSILON, as_dicts, cast, sparse_tasks
+from tensors import EPSILON, as_dicts, cast, on, sparse_tasks
 
 from mergekit_ram.core import kernel, parallel
 from mergekit_ram.core.kernel import ram_merge_tensor
@@ -47,7 +47,9 @@ def kernel_survival(base, tasks, scales, written):
 @pytest.mark.parametrize("written", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("chunk", [7, 1 << 16])
 @pytest.mark.parametrize("workers", [1, 3])
-def test_kernel_counts_what_survives_elementwise(monkeypatch, written, chunk, workers):
+def test_kernel_counts_what_survives_elementwise(
+    monkeypatch, written, chunk, workers, on_device
+):
     # Chunks that end inside rows and a last partial chunk, on one or three
     # workers; every task with λ ≠ 1 is heard once, with the reference's counts.
     monkeypatch.setattr(kernel, "MERGE_CHUNK", chunk)
@@ -58,7 +60,7 @@ def test_kernel_counts_what_survives_elementwise(monkeypatch, written, chunk, wo
         base, tasks = cast(
             *sparse_tasks((37, 29), [0.4, 0.3, 0.5], seed=4), torch.bfloat16
         )
-        out, heard = kernel_survival(base, tasks, SCALES, written)
+        out, heard = kernel_survival(*on(on_device, base, tasks), SCALES, written)
     finally:
         torch.set_num_threads(threads)
     want = reference_survival(base, tasks, SCALES, written)
@@ -71,7 +73,8 @@ def test_kernel_counts_what_survives_elementwise(monkeypatch, written, chunk, wo
         assert heard[0][1] < heard[0][0]
     plus, _ = reference.merge(*as_dicts(base, tasks), unique_scale=SCALES,
                               out_dtype=written)  # fmt: skip
-    assert torch.equal(out, plus["w"])
+    assert out.device.type == on_device
+    assert torch.equal(out.cpu(), plus["w"])
 
 
 def test_no_count_without_a_listener_or_a_rescale():

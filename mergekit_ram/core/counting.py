@@ -20,7 +20,6 @@ import torch
 from mergekit_ram.core.checks import check_layout
 from mergekit_ram.core.kernel import (
     change_mask,
-    checked_overlaps,
     count_masks,
     overlaps,
     overlaps_of,
@@ -40,7 +39,8 @@ def tensor_overlaps(
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|.
     """
-    return overlaps(base, tasks, epsilon, COUNT_CHUNK)
+    rows, pairs, _ = overlaps(base, tasks, epsilon, COUNT_CHUNK)
+    return rows, pairs
 
 
 # Elements per step of the chunked count: its float32 rows stay in the CPU
@@ -157,7 +157,7 @@ class OverlapStatistics:
     ) -> bool | None:
         """Count one tensor group (base plus task models' tensors); returns
         whether every task vector was finite (None: not checked, see
-        `core.kernel.checked_overlaps`; never with inner products)."""
+        `core.kernel.overlaps`; never with inner products)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids = list(tasks)
@@ -169,8 +169,8 @@ class OverlapStatistics:
             )
             self.products[name] = products
         else:
-            rows, pairs, finite = checked_overlaps(
-                base, inputs, self.epsilon, COUNT_CHUNK
+            rows, pairs, finite = overlaps(
+                base, inputs, self.epsilon, COUNT_CHUNK, checked=True
             )
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):

@@ -12,6 +12,7 @@ element once written?) comes from the same chunk's values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -292,7 +293,7 @@ def _resolved_scales(
         return [float(scale) for scale in scales]
     if scale_fn is None:
         raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
-    rows, _ = overlaps(base, tasks, epsilon, MERGE_CHUNK)
+    rows, _, _ = overlaps(base, tasks, epsilon, MERGE_CHUNK)
     return [
         float(scale_fn(index, torch.tensor(rows[index])) if scale is None else scale)
         for index, scale in enumerate(scales)
@@ -319,9 +320,13 @@ class _ChunkMerge:
         written: torch.dtype,
         tally: bool,
     ) -> None:
-        self.reader, self.scales = reader, list(scales)
+        self.reader = reader
         self.rescales = any(scale != 1.0 for scale in scales)
         width, device = reader.width, reader.device
+        as_float32 = torch.tensor(list(scales), dtype=torch.float32).tolist()
+        self.infinite = [i for i, scale in enumerate(as_float32) if math.isinf(scale)]
+        self.finite_scales = [1.0 if math.isinf(s) else s for s in as_float32]
+        self.infinity = torch.tensor(math.inf, device=device)
         like = dict(dtype=torch.float32, device=device)
         self.delta = torch.empty(width, **like)
         self.scratch = torch.empty(width, **like)
@@ -350,8 +355,8 @@ class _ChunkMerge:
         for row in tau[1:]:
             delta.add_(row)
         if self.rescales:
-            unique = self.rows[0, :width].copy_(part.counts).eq_(1)
-            factor = self._factor(part.mask, unique)
+            unique = torch.eq(part.counts, 1, out=self.rows[0, :width])
+            factor = self._factor(part.mask, part.counts, unique)
             if self.tally is not None:
                 plain = torch.add(part.base32, delta, out=self.scratch[:width])
                 self.plain[:width].copy_(plain)
@@ -372,15 +377,25 @@ class _ChunkMerge:
         for row, row_mask in zip(tau, mask):
             torch.where(changed.copy_(row_mask), row, self.negative_zero, out=row)
 
-    def _factor(self, mask: torch.Tensor, unique: torch.Tensor) -> torch.Tensor:
+    def _factor(
+        self, mask: torch.Tensor, counts: torch.Tensor, unique: torch.Tensor
+    ) -> torch.Tensor:
         """Λ = (1 − u) + u·Σ_t λ_t·m_t: λ of the one task changing a unique
-        element, 1 elsewhere; exact, as every product is by 0 or 1."""
+        element, 1 elsewhere; exact, as every product is by 0 or 1.
+
+        A λ beyond float32 (∞ there, as in mergekit's float32 product) would
+        make 0·λ NaN: it is summed as 1 and put in by `where` afterwards.
+        """
         width = unique.numel()
-        lam = torch.mul(mask[0], self.scales[0], out=self.factor[:width])
-        for row, scale in zip(mask[1:], self.scales[1:]):
+        lam = torch.mul(mask[0], self.finite_scales[0], out=self.factor[:width])
+        for row, scale in zip(mask[1:], self.finite_scales[1:]):
             lam.add_(row, alpha=scale)
-        kept = torch.mul(unique, -1.0, out=self.scratch[:width]).add_(1.0)
-        return torch.addcmul(kept, unique, lam, out=lam)
+        kept = torch.ne(counts, 1, out=self.scratch[:width])
+        lam = torch.addcmul(kept, unique, lam, out=lam)
+        for index in self.infinite:
+            owned = self.changed[:width].copy_(mask[index] * unique)
+            torch.where(owned, self.infinity, lam, out=lam)
+        return lam
 
     def _count(self, mask: torch.Tensor, out: torch.Tensor) -> None:
         """Add, per task, [unique elements, of which written apart from RAM]."""
@@ -397,28 +412,26 @@ JOINT_LIMIT = 8
 
 
 def overlaps(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float, chunk: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """(histograms, intersections) of one tensor group.
+    base: torch.Tensor,
+    tasks: Sequence[torch.Tensor],
+    epsilon: float,
+    chunk: int,
+    *,
+    checked: bool = False,
+) -> tuple[list[list[int]], list[list[int]], bool | None]:
+    """(histograms, intersections, finite) of one tensor group.
 
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|; the diagonal is each task's changed
     count. Up to JOINT_LIMIT tasks the masks are made and counted `chunk`
     elements at a time (`joint_patterns`); beyond, every mask is computed
     once and kept as bool (one byte per element and task) for this tensor.
+    `finite` (`checked`, up to JOINT_LIMIT tasks; else None): whether every
+    τ was finite, which (with a task) holds exactly when base and tasks are,
+    save where θ_t − θ₀ overflows float32.
     """
-    rows, pairs, _finite = checked_overlaps(base, tasks, epsilon, chunk)
-    return rows, pairs
-
-
-def checked_overlaps(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float, chunk: int
-) -> tuple[list[list[int]], list[list[int]], bool | None]:
-    """overlaps, and whether every τ was finite, which (with a task) holds
-    exactly when base and tasks are finite, save where θ_t − θ₀ overflows
-    float32 (None: not checked, beyond JOINT_LIMIT tasks or without one)."""
     if tasks and len(tasks) <= JOINT_LIMIT:
-        joint, finite = joint_patterns(base, tasks, epsilon, chunk)
+        joint, finite = joint_patterns(base, tasks, epsilon, chunk, checked=checked)
         return (*decode_joint(joint, len(tasks)), finite)
     base32 = base.to(dtype=torch.float32)
     return (*overlaps_of(change_masks(base32, tasks, epsilon), base32), None)
@@ -426,12 +439,17 @@ def checked_overlaps(
 
 @torch.no_grad()
 def joint_patterns(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float, chunk: int
-) -> tuple[list[int], bool]:
+    base: torch.Tensor,
+    tasks: Sequence[torch.Tensor],
+    epsilon: float,
+    chunk: int,
+    *,
+    checked: bool,
+) -> tuple[list[int], bool | None]:
     """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε), and whether every τ was finite; counted `chunk` elements
-    at a time through ChunkReader on the current pool's workers (integer
-    counts add up to the same totals in any order).
+    m = |τ_t| > ε) and (`checked`) whether every τ was finite; counted
+    `chunk` elements at a time through ChunkReader on the current pool's
+    workers (integer counts add up to the same totals in any order).
 
     The finiteness rides on one sum per chunk: NaN and ±Inf carry into it,
     and a sum that overflows only says "look closer" (checks.finite_inputs).
@@ -445,13 +463,16 @@ def joint_patterns(
         codes = torch.empty(width, dtype=torch.float32, device=base.device)
         joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=base.device)
         total = torch.zeros((), dtype=torch.float32, device=base.device)
+        summed = total if checked else None
         for start, stop in steps:
-            part = reader.read(start, stop, counted=False, summed=total)
+            part = reader.read(start, stop, counted=False, summed=summed)
             joint += pattern_counts(part.mask, codes[: stop - start], len(tasks))
         return joint, total
 
     results = chunked_walk(flat_base, chunk, count)
     joint = sum(part for part, _ in results).tolist()
+    if not checked:
+        return joint, None
     return joint, all(bool(torch.isfinite(total)) for _, total in results)
 
 
@@ -466,7 +487,8 @@ def pattern_counts(
         codes.add_(mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
                    alpha=1 << t)  # fmt: skip
     if codes.is_floating_point():
-        codes = codes.to(torch.uint8)
+        # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
+        codes = codes.to(torch.int32).to(torch.uint8)
     return torch.bincount(codes, minlength=1 << n)
 
 
