@@ -30,16 +30,16 @@ PROC_CGROUP = Path("/proc/self/cgroup")
 T = TypeVar("T")
 
 
-def cgroup_cpu_limit(
-    root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP
-) -> float | None:
+def cgroup_cpu_limit() -> float | None:
     """CPUs the cgroup (v2) quota allows this process, or None without one.
 
     The smallest `cpu.max` quota ÷ period on the way from this process's
-    cgroup up to the root: a parent's limit binds its children too.
+    cgroup (PROC_CGROUP) up to the root (CGROUP_ROOT): a parent's limit
+    binds its children too.
     """
+    root = CGROUP_ROOT
     try:
-        lines = membership.read_text().splitlines()
+        lines = PROC_CGROUP.read_text().splitlines()
     except OSError:
         lines = []
     # cgroup v2 writes one line "0::/path"; a container usually sees "/".
@@ -172,39 +172,36 @@ def using(pool: Workers | None) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-_THREADS_LOCK = threading.Lock()
-_THREADS_HELD = 0
-_THREADS_SAVED = 0
+_HELD = threading.local()
 
 
 @contextmanager
 def one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """torch's CPU ops on one thread for the block, the caller's setting
-    restored after (it is process-wide, so nested and concurrent blocks
-    restore it once, when the last one ends).
+    """torch's CPU ops on one thread for the block, the calling thread's
+    setting restored after (nested blocks restore it once, at the end).
 
     A chunked walk runs some forty small in-cache operations per chunk;
     splitting each over threads costs more than it saves, and on a busy
     machine, where a woken thread waits for a core, it made a pass several
-    times slower (measured on 2 shared cores). GPU work is unaffected.
+    times slower (measured on 2 shared cores). torch keeps the count per OS
+    thread (OpenMP's), so each thread restores its own; a pool's threads
+    take the one in force when they first compute. GPU work is unaffected.
     """
-    global _THREADS_HELD, _THREADS_SAVED
     if device.type != "cpu":
         yield
         return
-    with _THREADS_LOCK:
-        if _THREADS_HELD == 0:
-            _THREADS_SAVED = torch.get_num_threads()
-            if _THREADS_SAVED != 1:
-                torch.set_num_threads(1)
-        _THREADS_HELD += 1
+    depth = getattr(_HELD, "depth", 0)
+    if depth == 0:
+        _HELD.saved = torch.get_num_threads()
+        if _HELD.saved != 1:
+            torch.set_num_threads(1)
+    _HELD.depth = depth + 1
     try:
         yield
     finally:
-        with _THREADS_LOCK:
-            _THREADS_HELD -= 1
-            if _THREADS_HELD == 0 and torch.get_num_threads() != _THREADS_SAVED:
-                torch.set_num_threads(_THREADS_SAVED)
+        _HELD.depth = depth
+        if depth == 0 and torch.get_num_threads() != _HELD.saved:
+            torch.set_num_threads(_HELD.saved)
 
 
 def run_on(work: Callable[[range], T], items: int, device: torch.device) -> Sequence[T]:
