@@ -47,7 +47,7 @@ def tensor_overlaps(
 # cache, and no tensor-sized float32 copy is allocated (touching fresh pages
 # costs more than the arithmetic). Measured by benchmarks/count_chunk.py;
 # docs/performance.md has its table.
-COUNT_CHUNK = 1 << 16
+COUNT_CHUNK = 1 << 18
 
 
 # Elements per step of the pass that also sums inner products: the task

@@ -124,9 +124,12 @@ def task_histogram(
 
 
 # Elements per step of the chunked merge on CPU: its float32 rows (two per
-# task model and a few more) stay in a core's cache, and the forty-odd ops of
-# a step cost more in dispatch than in arithmetic below it.
-MERGE_CHUNK = 1 << 16
+# task model and a few more) stay in the CPU's caches, and the forty-odd ops
+# of a step cost more in dispatch than in arithmetic below it. On 16.8 M
+# elements, base + 3 bf16 agents, 2 threads: 2^15 / 2^16 / 2^17 / 2^18 took
+# 0.17 / 0.11 / 0.09 / 0.09 s for RAM and 0.30 / 0.19 / 0.15 / 0.16 s for
+# RAM+ with its survival count (docs/performance.md).
+MERGE_CHUNK = 1 << 17
 # Off the CPU a step costs per launched op, not per cache miss: far larger.
 DEVICE_CHUNK = 1 << 24
 
