@@ -332,3 +332,22 @@ def test_zero_signs_follow_mergekit_bit_for_bit(monkeypatch, scales, on_device):
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), epsilon
     assert out[0].item() == 0.0 and str(out[0].item()) == "-0.0"
     assert out[10] == 0.5 + 0.125 * torch.tensor(scales[0])  # unique to task 0
+
+
+@pytest.mark.parametrize("scales", [[1.0, 1.0], [1.5, 2.0]])
+def test_nonfinite_base_kept_where_every_task_took_its_value(scales, on_device):
+    """What `nonfinite: ignore` hands the kernel: where the base is NaN or ±∞
+    every task holds the base's value, so τ is NaN there: unchanged for
+    every task, and the base's value is written; the rest merges as usual."""
+    base = torch.tensor([math.inf, math.nan, -math.inf, 1.0, 2.0, 3.0])
+    tasks = [
+        torch.tensor([math.inf, math.nan, -math.inf, 1.5, 2.0, 3.25]),
+        torch.tensor([math.inf, math.nan, -math.inf, 1.0, 2.5, 3.75]),
+    ]
+    out = ram_merge_tensor(
+        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales
+    ).cpu()
+    want = mergekit_order(base, tasks, EPSILON, scales)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert out[0] == math.inf and out[1].isnan() and out[2] == -math.inf
+    assert out[3] == 1.0 + 0.5 * scales[0] and out[5] == 3.5

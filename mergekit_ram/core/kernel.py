@@ -242,8 +242,10 @@ def ram_merge_tensor(
     own counts (the tensor-local statistics scope; one more read of the
     inputs). `on_rescaled` hears, for each task with λ ≠ 1, how many unique
     elements it rescaled and how many of those still differ from RAM's value
-    once written. The inputs must be finite (callers apply the `nonfinite`
-    rule first).
+    once written. Callers refuse or replace non-finite inputs first (the
+    `nonfinite` rule); a τ that is NaN (a non-finite base, which `nonfinite:
+    ignore` hands on with every task's value there replaced by it) counts as
+    unchanged, as in the count, so such an element keeps the base's value.
     """
     _check_scales(tasks, scales)
     written = out_dtype or base.dtype
@@ -280,6 +282,12 @@ def _has_negative_zero(values: torch.Tensor) -> bool:
     if bits.numel() == 0 or bits.is_meta:
         return False
     return int(bits.min()) == torch.iinfo(torch.int32).min
+
+
+def _sum_is_finite(values: torch.Tensor) -> bool:
+    """Whether Σ values is finite: so is every value (a sum that overflows
+    only says "look closer"); tensors without data count as finite."""
+    return values.is_meta or bool(torch.isfinite(values.sum()))
 
 
 def _resolved_scales(
@@ -354,9 +362,13 @@ class _ChunkMerge:
         tau.div_(torch.clamp(part.counts, min=1, out=self.scratch[:width]))
         if _has_negative_zero(part.base32):
             self._signed_zeros(tau, part.mask)
-        delta = self.delta[:width].copy_(tau[0])
-        for row in tau[1:]:
-            delta.add_(row)
+        delta = self._sum(tau)
+        if not _sum_is_finite(delta):
+            # NaN·0 from a τ that is NaN where its mask is 0 (a non-finite
+            # base under `nonfinite: ignore`): that task leaves the element
+            # unchanged, as mergekit's where() has it; ±∞ stays.
+            torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            delta = self._sum(tau)
         if self.rescales:
             unique = torch.eq(part.counts, 1, out=self.rows[0, :width])
             factor = self._factor(part.mask, part.counts, unique)
@@ -367,6 +379,13 @@ class _ChunkMerge:
         out.copy_(delta.add_(part.base32))
         if self.tally is not None:
             self._count(part.mask, out)
+
+    def _sum(self, tau: torch.Tensor) -> torch.Tensor:
+        """Σ_t of the rows of `tau`, in task order, into `delta`."""
+        delta = self.delta[: tau.shape[1]].copy_(tau[0])
+        for row in tau[1:]:
+            delta.add_(row)
+        return delta
 
     def _signed_zeros(self, tau: torch.Tensor, mask: torch.Tensor) -> None:
         """τ_t·m_t/c → exactly −0.0 where task t leaves the element unchanged.
