@@ -1,7 +1,8 @@
 """Overlap statistics: C, S, U and the k-way histogram per task (docs/spec.md).
 
-The one place they are counted. `tensor_overlaps` counts one tensor group;
-`OverlapStatistics` adds groups up per task, in total and per output tensor.
+`tensor_overlaps` counts one tensor group (with `core.kernel.overlaps`, the
+one count, which the merge's tensor-local λ uses too); `OverlapStatistics`
+adds groups up per task, in total and per output tensor.
 Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
 alongside, from the same masks. Asked for (`inner_products`), the same pass
 also sums the task vectors' inner products from which `core.regime` derives
