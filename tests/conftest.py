@@ -122,6 +122,35 @@ class Family:
         return yaml.safe_dump(self.config_dict(*args, **kwargs), sort_keys=False)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cuda",
+        action="store_true",
+        help="also run the tests that take `on_device` (the kernels' parity with "
+        "the reference and stock mergekit, and output safety) on CUDA; they skip, "
+        "saying why, where torch sees no CUDA device",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`on_device`: "cpu", and with --cuda also "cuda"."""
+    if "on_device" not in metafunc.fixturenames:
+        return
+    devices = [pytest.param("cpu", id="cpu")]
+    if metafunc.config.getoption("cuda"):
+        devices.append(
+            pytest.param(
+                "cuda",
+                id="cuda",
+                marks=pytest.mark.skipif(
+                    not torch.cuda.is_available(),
+                    reason="--cuda given, but torch sees no CUDA device",
+                ),
+            )
+        )
+    metafunc.parametrize("on_device", devices)
+
+
 def words_for(vocab: int) -> tuple[str, ...]:
     return SPECIAL_TOKENS + tuple(f"w{i}" for i in range(vocab - len(SPECIAL_TOKENS)))
 

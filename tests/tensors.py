@@ -92,6 +92,11 @@ def assert_all_classes(base, tasks, epsilon: float = EPSILON) -> None:
         assert (tau.abs() == torch.tensor(epsilon)).any()  # exactly ε, dropped
 
 
+def on(device: str, base: torch.Tensor, tasks: Sequence[torch.Tensor]):
+    """base and tasks moved to `device` (the `on_device` fixture's value)."""
+    return base.to(device), [t.to(device) for t in tasks]
+
+
 def as_dicts(base: torch.Tensor, tasks: Sequence[torch.Tensor], name: str = "w"):
     """The one-tensor state dicts reference.merge takes."""
     return {name: base}, [{name: t} for t in tasks]

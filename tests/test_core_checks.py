@@ -9,8 +9,9 @@ from mergekit_ram.core.checks import finite_output
 from mergekit_ram.core.errors import RAMInputError
 
 
-def test_finite_output_allows_nonfinite_kept_from_the_base():
-    base = torch.tensor([1.0, float("inf")])
+def test_finite_output_allows_nonfinite_kept_from_the_base(on_device):
+    base = torch.tensor([1.0, float("inf")], device=on_device)
     finite_output("t", base, base.clone())
+    merged = torch.tensor([1e6, float("inf")], device=on_device)
     with pytest.raises(RAMInputError, match="Merged tensor t has 1"):
-        finite_output("t", base, torch.tensor([1e6, float("inf")]), torch.float16)
+        finite_output("t", base, merged, torch.float16)

@@ -7,18 +7,18 @@ import math
 import pytest
 import reference
 import torch
-from tensors import EPSILON, as_dicts, cast, sparse_tasks, state_dicts
+from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
-from mergekit_ram.core import counting
+from mergekit_ram.core import counting, kernel, parallel
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
-    JOINT_LIMIT,
     OverlapStatistics,
     TaskCounts,
     group_tensors,
     tensor_overlaps,
 )
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.kernel import JOINT_LIMIT
 from mergekit_ram.core.scale import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
@@ -43,9 +43,9 @@ def collected(base, tasks, ids=IDS, epsilon=EPSILON):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_overlap_histograms_equal_reference(n, dtype):
+def test_tensor_overlap_histograms_equal_reference(n, dtype, on_device):
     base, tasks = cast(*sparse_tasks((15, 11), [0.4, 0.3, 0.5, 0.2][:n], seed=n), dtype)
-    rows, _ = tensor_overlaps(base, tasks, EPSILON)
+    rows, _ = tensor_overlaps(*on(on_device, base, tasks), EPSILON)
     _, _, _, hist = reference_stats(*as_dicts(base, tasks))
     assert rows == hist
     assert all(len(row) == n for row in rows)
@@ -103,17 +103,22 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(
 
 
 def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads):
-    """Three threads, ten chunks: every chunk counted once, by runs of 3, 3, 4."""
+    """Three usable CPUs and threads, ten chunks: every chunk counted once,
+    by runs of 3, 3, 4 (as chunk starts)."""
     monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 3)
     torch_threads(3)
     runs = []
-    count_run = counting._count_run
+    run_on = kernel.run_on
 
-    def recording(flat_base, flat_tasks, starts, epsilon):
-        runs.append(list(starts))
-        return count_run(flat_base, flat_tasks, starts, epsilon)
+    def recording(work, items, device):
+        def spy(run):
+            runs.append([4 * index for index in run])
+            return work(run)
 
-    monkeypatch.setattr(counting, "_count_run", recording)
+        return run_on(spy, items, device)
+
+    monkeypatch.setattr(kernel, "run_on", recording)
     base, tasks = sparse_tasks((40,), [0.5, 0.3], seed=2)
     rows, pairs = tensor_overlaps(base, tasks, EPSILON)
     assert sorted(runs) == [[0, 4, 8], [12, 16, 20], [24, 28, 32, 36]]
@@ -352,3 +357,40 @@ def test_in_order_refuses_an_order_without_every_counted_tensor():
     with pytest.raises(ValueError, match=r"\['head', 'layer.0.bias'\]"):
         stats.in_order(["embed", "layer.0.weight"])
     assert list(stats.per_tensor) == list(PROFILES)
+
+
+FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize(
+    "base_value, task_value, finite",
+    [
+        (0.5, 0.25, True),
+        (math.nan, 0.25, False),  # the base's NaN reaches every τ
+        (0.5, math.inf, False),
+        (math.inf, math.inf, False),  # ∞ − ∞ is NaN
+        (FLOAT_MAX, -FLOAT_MAX, False),  # finite inputs, τ overflows: a doubt only
+    ],
+)
+@pytest.mark.parametrize("chunk", [5, 1 << 16])
+def test_count_tells_whether_every_task_vector_is_finite(
+    monkeypatch, base_value, task_value, finite, chunk, on_device
+):
+    monkeypatch.setattr(counting, "COUNT_CHUNK", chunk)
+    base, tasks = sparse_tasks((13, 11), [0.4, 0.3], seed=6)
+    base[7, 3] = base_value
+    tasks[1][7, 3] = task_value
+    stats = OverlapStatistics(epsilon=EPSILON)
+    on_base, on_tasks = on(on_device, base, tasks)
+    assert stats.add("w", on_base, dict(zip(IDS, on_tasks))) is finite
+    inputs_finite = math.isfinite(base_value) and math.isfinite(task_value)
+    if inputs_finite:
+        # Finite inputs pass the exact check, and were counted as the spec says.
+        finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
+        per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+        assert [c.histogram for c in stats.per_tensor["w"].values()] == (
+            reference.csu(per_tensor, 2)[3]
+        )
+    else:
+        with pytest.raises(RAMInputError, match="NaN"):
+            finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")

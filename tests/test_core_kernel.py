@@ -7,7 +7,7 @@ import math
 import pytest
 import reference
 import torch
-from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
@@ -37,17 +37,17 @@ def rule_fn(rule: ScaleRule, calls: list | None = None):
 
 
 @pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
-def case(request):
+def case(request, on_device):
     shape, densities = CASES[request.param]
     base, tasks = sparse_tasks(shape, densities, seed=request.param)
     assert_all_classes(base, tasks)
-    return base, tasks
+    return on(on_device, base, tasks)
 
 
 def test_ram_equals_reference_float32(case):
     base, tasks = case
     out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * len(tasks))
-    assert out.dtype == torch.float32
+    assert out.dtype == torch.float32 and out.device == base.device
     assert torch.equal(out, ref_merge(base, tasks))
 
 
@@ -288,3 +288,66 @@ def test_worked_example_soft():
     assert torch.equal(out[[2, 5]], ram[[2, 5]])
     expected_ref = ref_merge(base, tasks, r=0.1, saturation="soft", statistics="tensor")
     assert torch.allclose(out, expected_ref, rtol=0, atol=1e-7)
+
+
+def mergekit_order(base32, tasks, epsilon, scales):
+    """θ₀ + Σ_t where(m_t, τ_t/c (·λ_t if unique), −0.0), summed from −0.0 in
+    task order: the float32 steps of stock mergekit's `ram`, signs of zero
+    included."""
+    tau = [task.float() - base32 for task in tasks]
+    masks = [t.abs() > epsilon for t in tau]
+    counts = sum(m.int() for m in masks)
+    delta = torch.full_like(base32, -0.0)
+    for t, m, scale in zip(tau, masks, scales):
+        q = t / counts.clamp(min=1).float()
+        q = torch.where(counts == 1, q * torch.tensor(scale), q)
+        delta = delta + torch.where(m, q, torch.tensor(-0.0))
+    return base32 + delta
+
+
+@pytest.mark.parametrize(
+    "scales", [[1.0, 1.0, 1.0], [1.5, 0.25, 1.0], [1e39, 1.0, 0.5]]
+)
+def test_zero_signs_follow_mergekit_bit_for_bit(monkeypatch, scales, on_device):
+    """Bases of −0.0 and +0.0 next to unchanged, sub-ε, cancelling (x − x =
+    +0.0) and, with ε = 0, underflowing (τ/c rounds to ±0) elements; chunks
+    with and without a −0.0 base; a λ beyond float32 (∞ on its unique
+    elements, nothing else touched)."""
+    from mergekit_ram.core import kernel
+
+    monkeypatch.setattr(kernel, "MERGE_CHUNK", 4)
+    tiny = 2.0**-149
+    base = torch.tensor([-0.0, 0.0, -0.0, -0.0, 1.0, 0.0, 2.0, 3.0, -0.0, -0.0, 0.5])
+    deltas = [
+        [0.0, 0.0, 0.5, tiny, 0.0, -tiny, 0.25, 0.0, -0.0, 1e-30, 0.125],
+        [0.0, -0.0, -0.5, tiny, 0.0, tiny, -0.25, 0.0, 0.0, -1e-30, 0.0],
+        [-0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0],
+    ]
+    tasks = [base + torch.tensor(d) for d in deltas]
+    for epsilon in (0.0, 1e-5):
+        out = ram_merge_tensor(
+            *on(on_device, base, tasks), epsilon=epsilon, scales=scales
+        ).cpu()
+        want = mergekit_order(base, tasks, epsilon, scales)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), epsilon
+    assert out[0].item() == 0.0 and str(out[0].item()) == "-0.0"
+    assert out[10] == 0.5 + 0.125 * torch.tensor(scales[0])  # unique to task 0
+
+
+@pytest.mark.parametrize("scales", [[1.0, 1.0], [1.5, 2.0]])
+def test_nonfinite_base_kept_where_every_task_took_its_value(scales, on_device):
+    """What `nonfinite: ignore` hands the kernel: where the base is NaN or ±∞
+    every task holds the base's value, so τ is NaN there: unchanged for
+    every task, and the base's value is written; the rest merges as usual."""
+    base = torch.tensor([math.inf, math.nan, -math.inf, 1.0, 2.0, 3.0])
+    tasks = [
+        torch.tensor([math.inf, math.nan, -math.inf, 1.5, 2.0, 3.25]),
+        torch.tensor([math.inf, math.nan, -math.inf, 1.0, 2.5, 3.75]),
+    ]
+    out = ram_merge_tensor(
+        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales
+    ).cpu()
+    want = mergekit_order(base, tasks, EPSILON, scales)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    assert out[0] == math.inf and out[1].isnan() and out[2] == -math.inf
+    assert out[3] == 1.0 + 0.5 * scales[0] and out[5] == 3.5

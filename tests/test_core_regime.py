@@ -15,7 +15,7 @@ import pytest
 import reference
 import torch
 
-from mergekit_ram.core import counting
+from mergekit_ram.core import counting, kernel
 from mergekit_ram.core.counting import OverlapStatistics, tensor_overlaps
 from mergekit_ram.core.kernel import change_mask
 from mergekit_ram.core.regime import (
@@ -246,7 +246,7 @@ def test_changed_values_follow_the_change_mask(epsilon):
 def test_many_tasks_use_the_pairwise_counts():
     # Above JOINT_LIMIT tasks the counts come from per-task histograms; the
     # products do not depend on which counting ran.
-    n = counting.JOINT_LIMIT + 1
+    n = kernel.JOINT_LIMIT + 1
     g = torch.Generator().manual_seed(4)
     base = torch.randn(40, generator=g) * 0.02
     tasks = [

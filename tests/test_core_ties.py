@@ -6,7 +6,7 @@ import pytest
 import reference
 import torch
 from conftest import merge_yaml
-from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.commands.api import merge_tensors
 from mergekit_ram.core.kernel import change_mask, overlap_counts, task_vector
@@ -113,14 +113,16 @@ def test_trimming_always_keeps_a_value(density, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("density", [0.1, 0.3])
-def test_random_tensors_equal_reference(dtype, density):
+def test_random_tensors_equal_reference(dtype, density, on_device):
     base, tasks = sparse_tasks((64, 48), [0.2, 0.35, 0.5], seed=7)
     assert_all_classes(base, tasks)
     base, tasks = cast(base, tasks, dtype)
     scales = [1.25, 1.0, 1.1]
     got = ties_merge_tensor(
-        base, tasks, epsilon=EPSILON, scales=scales, density=density
+        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales, density=density
     )
+    assert got.device.type == on_device
+    got = got.cpu()
     want = expected(base, tasks, density=density, scales=scales)
     assert got.dtype == dtype
     assert torch.equal(got, want)

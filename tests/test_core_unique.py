@@ -6,7 +6,7 @@ import pytest
 import reference
 import torch
 from conftest import merge_yaml
-from tensors import EPSILON, as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.core.unique import unique_merge_tensor
 
@@ -15,11 +15,15 @@ THEIRS = [0.0, 1 / 3, 0.0]  # their target_index 1 at their fixed factor 1/3
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scales", [[0.0, 1.0, 0.0], THEIRS, [1.0, 1.0, 1.0]])
-def test_equals_reference(dtype, scales):
+def test_equals_reference(dtype, scales, on_device):
     base, tasks = sparse_tasks((48, 40), [0.2, 0.35, 0.5], seed=11)
     assert_all_classes(base, tasks)
     base, tasks = cast(base, tasks, dtype)
-    got = unique_merge_tensor(base, tasks, epsilon=EPSILON, scales=scales)
+    got = unique_merge_tensor(
+        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales
+    )
+    assert got.device.type == on_device
+    got = got.cpu()
     b, ts = as_dicts(base, tasks)
     want, _ = reference.merge(b, ts, shared="base", unique_scale=scales)
     assert got.dtype == dtype

@@ -12,7 +12,7 @@ import torch
 from mergekit import merge_methods
 from mergekit.merge_methods import ram as stock_ram
 from mergekit.merge_methods import registry
-from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
 from mergekit_ram.core.errors import RAMInputError
@@ -41,11 +41,11 @@ CASES = [
 
 
 @pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
-def case(request):
+def case(request, on_device):
     shape, densities = CASES[request.param]
     base, tasks = sparse_tasks(shape, densities, seed=100 + request.param)
     assert_all_classes(base, tasks)
-    return base, tasks
+    return on(on_device, base, tasks)
 
 
 def ref_merge(base, tasks, **kwargs):
@@ -152,7 +152,7 @@ def test_ram_equals_stock_float32(case, parameters):
     ours = merge_methods.merge_tensors(
         tensors, "ram", parameters=parameters, base_index=0
     )
-    assert ours.dtype == torch.float32
+    assert ours.dtype == torch.float32 and ours.device == base.device
     assert torch.equal(ours, stock)
     api = mergekit_ram.merge_tensors(
         tensors, "ram", parameters=parameters, base_index=0
@@ -378,6 +378,28 @@ def test_nonfinite_refused_or_ignored_through_mergekit(case):
     healed = torch.where(torch.isfinite(poisoned), poisoned, base)
     expected = ref_merge(base, [healed, *tasks[1:]], statistics="tensor", r=0.2)
     assert torch.equal(out, expected)
+
+
+def test_overflow_of_the_output_dtype_is_refused(on_device):
+    """λ·τ beyond float16 on one unique element: refused, naming how many."""
+    base = torch.zeros(6, device=on_device)
+    tasks = [
+        torch.tensor([10.0, 0.0, 0.5, 0.0, 0.0, 0.0], device=on_device),
+        torch.tensor([0.0, 0.25, 0.5, 0.0, 0.0, 0.0], device=on_device),
+    ]
+    parameters = {"unique_scale": [60000.0, 1.0]}
+    with pytest.raises(RAMInputError, match="has 1 infinite or NaN values"):
+        mergekit_ram.merge_tensors(
+            [base, *tasks],
+            "ramplus",
+            parameters=parameters,
+            base_index=0,
+            out_dtype=torch.float16,
+        )
+    kept = mergekit_ram.merge_tensors(
+        [base, *tasks], "ramplus", parameters=parameters, base_index=0
+    )
+    assert kept.device.type == on_device and kept[0] == 600000.0
 
 
 def test_integer_base_passes_through_the_kernel():

@@ -6,7 +6,7 @@ import pytest
 import reference
 import torch
 from conftest import merge_yaml
-from tensors import as_dicts, assert_all_classes, cast, sparse_tasks
+from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.commands.api import merge_tensors
 
@@ -38,13 +38,16 @@ def test_smallest_case_of_the_issue():
 @pytest.mark.parametrize("out_dtype", [None, *DTYPES])
 @pytest.mark.parametrize("dtype", [None, *DTYPES])
 @pytest.mark.parametrize("stored", DTYPES)
-def test_every_combination_equals_reference(stored, dtype, out_dtype, shared):
+def test_every_combination_equals_reference(
+    stored, dtype, out_dtype, shared, on_device
+):
     base, tasks = sparse_tasks((24, 20), [0.2, 0.35, 0.5], seed=5)
     assert_all_classes(base, tasks)
     base, tasks = cast(base, tasks, stored)
     scales = [1.3, 1.1, 1.0]
+    on_base, on_tasks = on(on_device, base, tasks)
     got = merge_tensors(
-        [base, *tasks],
+        [on_base, *on_tasks],
         "ramplus",
         parameters={"unique_scale": scales, "shared": shared},
         base_index=0,
@@ -59,7 +62,8 @@ def test_every_combination_equals_reference(stored, dtype, out_dtype, shared):
         b, ts, unique_scale=scales, shared=shared, out_dtype=out_dtype or computed
     )
     assert got.dtype == (out_dtype or computed)
-    assert torch.equal(got, want["w"])
+    assert got.device.type == on_device
+    assert torch.equal(got.cpu(), want["w"])
 
 
 @pytest.mark.parametrize("out_dtype", ["float32", "float16"])

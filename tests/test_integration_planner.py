@@ -501,20 +501,28 @@ def test_nan_check_runs_once(
     method, parameters, merge_checks, family_f32, tmp_path, monkeypatch
 ):
     # Under refuse the statistics pass's check stands for the merge's; without
-    # a pass, or under ignore (which replaces values), the merge checks.
+    # a pass, or under ignore (which replaces values), the merge checks. The
+    # pass checks with finite_inputs, or under refuse with the count's own
+    # sums of τ (`checked`).
+    import mergekit_ram.core.counting as counted
     import mergekit_ram.integration.methods as methods
 
     calls = {"pass": 0, "merge": 0}
 
-    def counting(where, original):
+    def counting(where, original, checks=lambda kwargs: True):
         def check(*args, **kwargs):
-            calls[where] += 1
+            calls[where] += checks(kwargs)
             return original(*args, **kwargs)
 
         return check
 
     stats = mergekit_ram.integration.statistics_pass
     monkeypatch.setattr(stats, "finite_inputs", counting("pass", stats.finite_inputs))
+    monkeypatch.setattr(
+        counted,
+        "overlaps",
+        counting("pass", counted.overlaps, lambda kwargs: kwargs.get("checked", False)),
+    )
     monkeypatch.setattr(
         methods, "finite_inputs", counting("merge", methods.finite_inputs)
     )

@@ -38,22 +38,25 @@ def reference_survival(family, written):
     return found, lambdas
 
 
-def merge(family, out, out_dtype=None):
+def merge(family, out, out_dtype=None, device="cpu"):
     extra = {"out_dtype": out_dtype} if out_dtype else {}
     text = family.yaml("ramplus", parameters={"r": R}, **extra)
     mergekit_ram.run_merge(
         MergeConfiguration.model_validate(yaml.safe_load(text)),
         str(out),
-        MergeOptions(quiet=True),
+        MergeOptions(quiet=True, device=device),
     )
     return read_json(Path(out) / "ram_statistics.json")
 
 
 @pytest.mark.parametrize("out_dtype", [None, "float32"])
-def test_statistics_count_what_survives(out_dtype, family_bf16, tmp_path, caplog):
+def test_statistics_count_what_survives(
+    out_dtype, family_bf16, tmp_path, caplog, on_device
+):
+    """The whole merge (the statistics pass included) on `on_device`."""
     family = family_bf16
     with caplog.at_level(logging.WARNING, logger="mergekit_ram"):
-        doc = merge(family, tmp_path / "out", out_dtype)
+        doc = merge(family, tmp_path / "out", out_dtype, on_device)
     written = getattr(torch, out_dtype or "bfloat16")
     want, lambdas = reference_survival(family, written)
     assert all(lam > 1 for lam in lambdas)

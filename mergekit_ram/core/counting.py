@@ -1,7 +1,8 @@
 """Overlap statistics: C, S, U and the k-way histogram per task (docs/spec.md).
 
-The one place they are counted. `tensor_overlaps` counts one tensor group;
-`OverlapStatistics` adds groups up per task, in total and per output tensor.
+`tensor_overlaps` counts one tensor group (with `core.kernel.overlaps`, the
+one count, which the merge's tensor-local λ uses too); `OverlapStatistics`
+adds groups up per task, in total and per output tensor.
 Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
 alongside, from the same masks. Asked for (`inner_products`), the same pass
 also sums the task vectors' inner products from which `core.regime` derives
@@ -12,9 +13,7 @@ mergekit merge is mergekit_ram.integration.statistics_pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,11 +21,12 @@ import torch
 from mergekit_ram.core.checks import check_layout
 from mergekit_ram.core.kernel import (
     change_mask,
-    change_masks,
     count_masks,
-    task_histogram,
+    overlaps,
+    overlaps_of,
     task_vector_into,
 )
+from mergekit_ram.core.parallel import one_cpu_thread
 from mergekit_ram.core.regime import Products, inner_products
 from mergekit_ram.core.scale import ScaleRule
 
@@ -34,152 +34,26 @@ from mergekit_ram.core.scale import ScaleRule
 def tensor_overlaps(
     base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """(histograms, intersections) of one tensor group.
+    """(histograms, intersections) of one tensor group, COUNT_CHUNK elements
+    a step (`core.kernel.overlaps`).
 
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|.
-
-    The diagonal is each task's changed count. Up to JOINT_LIMIT tasks the
-    masks are made and counted a chunk at a time (`_joint_histogram`);
-    beyond, every mask is computed once and kept as bool (one byte per
-    element and task) for this tensor only.
     """
-    if tasks and len(tasks) <= JOINT_LIMIT:
-        return _decode_joint(_joint_histogram(base, tasks, epsilon), len(tasks))
-    base32 = base.to(dtype=torch.float32)
-    return overlaps_of(change_masks(base32, tasks, epsilon), base32)
+    rows, pairs, _ = overlaps(base, tasks, epsilon, COUNT_CHUNK)
+    return rows, pairs
 
 
-# Elements per step of the chunked count: its float32 buffers stay in the CPU
+# Elements per step of the chunked count: its float32 rows stay in the CPU
 # cache, and no tensor-sized float32 copy is allocated (touching fresh pages
 # costs more than the arithmetic). Measured by benchmarks/count_chunk.py;
 # docs/performance.md has its table.
 COUNT_CHUNK = 1 << 18
 
 
-@torch.no_grad()
-def _joint_histogram(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> list[int]:
-    """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε), counted a chunk at a time with the kernel's τ and mask.
-
-    On CPU the chunks are shared out, in contiguous runs, among as many
-    Python threads as torch may use, each running its ops on one thread:
-    no per-op synchronisation, and a busy core only slows its own run.
-    Integer counts add up to the same totals in any order.
-    """
-    flat_base = base.reshape(-1)
-    flat_tasks = [task.reshape(-1) for task in tasks]
-    starts = range(0, flat_base.numel(), COUNT_CHUNK)
-    workers = 1 if base.device.type != "cpu" else torch.get_num_threads()
-    workers = max(1, min(workers, len(starts)))
-    runs = [starts[w * len(starts) // workers : (w + 1) * len(starts) // workers]
-            for w in range(workers)]  # fmt: skip
-    # The calling thread counts the first run; a pool starts no thread until
-    # something is submitted, so one worker costs nothing extra.
-    with (
-        _one_cpu_thread(base.device),
-        ThreadPoolExecutor(max(1, workers - 1), thread_name_prefix="count") as pool,
-    ):
-        others = [
-            pool.submit(_count_run, flat_base, flat_tasks, run, epsilon)
-            for run in runs[1:]
-        ]
-        joint = _count_run(flat_base, flat_tasks, runs[0], epsilon)
-        for other in others:
-            joint += other.result()
-    return joint.tolist()
-
-
-def _count_run(
-    flat_base: torch.Tensor,
-    flat_tasks: Sequence[torch.Tensor],
-    starts: Sequence[int],
-    epsilon: float,
-) -> torch.Tensor:
-    """_joint_histogram over the chunks beginning at `starts`, in its own buffers."""
-    total = flat_base.numel()
-    size = max(1, min(COUNT_CHUNK, total))
-    like = dict(dtype=torch.float32, device=flat_base.device)
-    base32, tau = torch.empty(size, **like), torch.empty(size, **like)
-    mask = torch.empty(size, dtype=torch.bool, device=flat_base.device)
-    pattern = torch.empty(size, dtype=torch.uint8, device=flat_base.device)
-    joint = torch.zeros(
-        1 << len(flat_tasks), dtype=torch.int64, device=flat_base.device
-    )
-    for start in starts:
-        stop = min(start + COUNT_CHUNK, total)
-        width = stop - start
-        chunk = base32[:width].copy_(flat_base[start:stop])
-        # Each mask is made into the one buffer as the pattern takes it.
-        masks = (
-            change_mask(
-                task_vector_into(tau[:width], task[start:stop], chunk),
-                epsilon,
-                overwrite=True,
-                out=mask[:width],
-            )
-            for task in flat_tasks
-        )
-        joint += _pattern_counts(masks, pattern[:width], len(flat_tasks))
-    return joint
-
-
-def _pattern_counts(
-    masks: Iterable[torch.Tensor], codes: torch.Tensor, n: int
-) -> torch.Tensor:
-    """How many elements show each of the 2^n joint patterns of `masks`
-    (bit t: mask t), built in `codes` (uint8, the masks' size)."""
-    codes.zero_()
-    for t, mask in enumerate(masks):
-        codes.add_(mask.reshape(-1).view(torch.uint8), alpha=1 << t)
-    return torch.bincount(codes, minlength=1 << n)
-
-
-def overlaps_of(
-    masks: Sequence[torch.Tensor], like: torch.Tensor
-) -> tuple[list[list[int]], list[list[int]]]:
-    """tensor_overlaps' (histograms, intersections) from masks already made."""
-    if not masks:
-        return [], []
-    if len(masks) <= JOINT_LIMIT:
-        return _from_joint(masks)
-    counts = count_masks(masks, like)
-    rows = [task_histogram(counts, mask, len(masks)).tolist() for mask in masks]
-    pairs = [[0] * len(masks) for _ in masks]
-    for s, mask in enumerate(masks):
-        pairs[s][s] = sum(rows[s])
-        for t in range(s + 1, len(masks)):
-            pairs[s][t] = pairs[t][s] = int(
-                torch.count_nonzero(torch.logical_and(mask, masks[t]))
-            )
-    return rows, pairs
-
-
 # Elements per step of the pass that also sums inner products: the task
 # vectors of a chunk stay in cache, and no full-size float32 copy is made.
 PRODUCT_CHUNK = 1 << 16
-
-
-@contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """torch's CPU ops on one thread for the block (restored after).
-
-    The chunked pass runs some forty small in-cache operations per chunk;
-    splitting each over threads costs more than it saves, and on a busy
-    machine, where a woken thread waits for a core, it made the pass several
-    times slower (measured on 2 shared cores). GPU work is unaffected.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -205,7 +79,7 @@ def overlaps_and_products(
     base32 = torch.empty(size, **like)
     block = torch.empty((2 * count + 1, size), **like)  # τ rows first
     scratch = torch.empty((count, size), **like)  # |τ|
-    with _one_cpu_thread(base.device):
+    with one_cpu_thread(base.device):
         for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
             stop = min(start + PRODUCT_CHUNK, flat_base.numel())
             chunk = base32[: stop - start].copy_(flat_base[start:stop])
@@ -223,40 +97,6 @@ def overlaps_and_products(
             counts = count_masks(list(masks), chunk)
             products.add(inner_products(part, counts, epsilon))
     return rows, pairs, products
-
-
-# Up to this many tasks, one byte per element holds which tasks change it.
-JOINT_LIMIT = 8
-
-
-def _from_joint(
-    masks: Sequence[torch.Tensor],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """tensor_overlaps' counts from one histogram of the masks' joint pattern.
-
-    Bit t of an element's pattern says whether task t changes it; how many
-    elements show each of the 2^N patterns determines every task's k-way
-    histogram and every pairwise intersection, for one pass over a byte per
-    element instead of one per task and pair.
-    """
-    codes = torch.empty(masks[0].numel(), dtype=torch.uint8, device=masks[0].device)
-    return _decode_joint(_pattern_counts(masks, codes, len(masks)).tolist(), len(masks))
-
-
-def _decode_joint(
-    joint: Sequence[int], n: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Every task's k-way histogram and every pairwise intersection from the
-    number of elements showing each joint pattern (bit t: task t changes it)."""
-    rows = [[0] * n for _ in range(n)]
-    pairs = [[0] * n for _ in range(n)]
-    for code, elements in enumerate(joint):
-        members = [t for t in range(n) if code >> t & 1]
-        for s in members:
-            rows[s][len(members) - 1] += elements
-            for t in members:
-                pairs[s][t] += elements
-    return rows, pairs
 
 
 def add_histogram(total: list[int], row: Sequence[int]) -> None:
@@ -315,19 +155,24 @@ class OverlapStatistics:
         name: str,
         base: torch.Tensor,
         tasks: Mapping[Hashable, torch.Tensor],
-    ) -> None:
-        """Count one tensor group (base plus task models' tensors)."""
+    ) -> bool | None:
+        """Count one tensor group (base plus task models' tensors); returns
+        whether every task vector was finite (None: not checked, see
+        `core.kernel.overlaps`; never with inner products)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids = list(tasks)
         inputs = [tasks[i] for i in ids]
+        finite = None
         if self.inner_products:
             rows, pairs, products = overlaps_and_products(
                 base, inputs, self.epsilon, ids
             )
             self.products[name] = products
         else:
-            rows, pairs = tensor_overlaps(base, inputs, self.epsilon)
+            rows, pairs, finite = overlaps(
+                base, inputs, self.epsilon, COUNT_CHUNK, checked=True
+            )
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
@@ -336,6 +181,7 @@ class OverlapStatistics:
         self.per_tensor[name] = local
         self.num_tensors += 1
         self.num_elements += base.numel()
+        return finite
 
     def _add_to_total(self, task_id: Hashable, counts: TaskCounts) -> None:
         """Add one tensor's counts of a task to its totals (add and in_order)."""

@@ -15,12 +15,7 @@ from typing import Any
 
 import torch
 
-from mergekit_ram.core.kernel import (
-    change_masks,
-    count_masks,
-    merge_counted,
-    ram_merge_tensor,
-)
+from mergekit_ram.core.kernel import overlap_counts, ram_merge_tensor
 
 # (float32 base, mask of the shared elements) -> their values, flat.
 SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,22 +30,20 @@ def ram_then_shared(
     out_dtype: torch.dtype | None = None,
     **kernel: Any,
 ) -> torch.Tensor:
-    """RAM's float32 merge with the shared elements (c ≥ 2) replaced by
-    `rule`; returns out_dtype (default: base's), rounded once. `kernel` holds
-    ram_merge_tensor's scales, scale_fn and on_unique."""
+    """RAM's merge with the shared elements (c ≥ 2) replaced by `rule`;
+    returns out_dtype (default: base's). Each element is rounded once: RAM's
+    float32 value or the rule's. `kernel` holds ram_merge_tensor's scales,
+    scale_fn and on_rescaled."""
+    merged = ram_merge_tensor(
+        base, tasks, epsilon=epsilon, out_dtype=out_dtype, **kernel
+    )
     if not tasks:
-        return ram_merge_tensor(
-            base, tasks, epsilon=epsilon, out_dtype=out_dtype, **kernel
-        )
+        return merged
     base32 = base.to(dtype=torch.float32)
-    masks = change_masks(base32, tasks, epsilon)
-    counts = count_masks(masks, base32)
-    shared = counts >= 2
-    merged = merge_counted(base32, tasks, masks, counts, **kernel)
-    del masks, counts
+    shared = overlap_counts(base32, tasks, epsilon) >= 2
     if bool(shared.any()):
-        merged[shared] = rule(base32, shared)
-    return merged.to(dtype=out_dtype or base.dtype)
+        merged[shared] = rule(base32, shared).to(dtype=merged.dtype)
+    return merged
 
 
 def unique_merge_tensor(

@@ -10,7 +10,8 @@ adds to it, the last task writes it out. Merge tasks may run on worker
 threads (mergekit's --multi-gpu executor), which do not inherit the context;
 they carry their run and bind it with `running`. A merge task whose inputs
 the statistics pass already checked binds `inputs_checked` too, so the merge
-does not check them again.
+does not check them again. The run's worker threads (`core.parallel`) serve
+every chunked walk of the merge, the pass's included, and end with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from mergekit_ram.core.parallel import Workers, using, workers
 from mergekit_ram.core.survival import SurvivalTally
 
 
@@ -28,7 +30,8 @@ class MergeRun:
     """One merge in progress; `result` is None until (and unless) RAM+ counted,
     `tally` None unless some task model's unique elements are rescaled;
     `inner_products`: the caller (`merge --report`) wants the statistics pass
-    to sum the task vectors' inner products too, for the report's retention.
+    to sum the task vectors' inner products too, for the report's retention;
+    `workers`: the threads its chunked walks share (None outside `merge_run`).
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -37,6 +40,7 @@ class MergeRun:
     result: tuple | None = None
     tally: SurvivalTally | None = None
     inner_products: bool = False
+    workers: Workers | None = None
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)
@@ -54,23 +58,26 @@ def merge_run() -> Iterator[MergeRun]:
     if run is not None:
         yield run
         return
-    run = MergeRun()
-    token = _CURRENT.set(run)
-    try:
-        yield run
-    finally:
-        _CURRENT.reset(token)
+    with workers() as pool:
+        run = MergeRun(workers=pool)
+        token = _CURRENT.set(run)
+        try:
+            yield run
+        finally:
+            _CURRENT.reset(token)
 
 
 @contextmanager
 def running(run: MergeRun | None) -> Iterator[None]:
-    """`run` as the merge in progress for the block (on this thread, too)."""
+    """`run` as the merge in progress for the block (on this thread, too),
+    with its worker threads."""
     if run is None or _CURRENT.get() is run:
         yield
         return
     token = _CURRENT.set(run)
     try:
-        yield
+        with using(run.workers):
+            yield
     finally:
         _CURRENT.reset(token)
 

@@ -21,9 +21,9 @@ from pydantic import BeforeValidator, Field
 
 from mergekit_ram.core.checks import finite_inputs, finite_output
 from mergekit_ram.core.counting import TaskCounts
-from mergekit_ram.core.kernel import UniqueFn, ram_merge_tensor
+from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.survival import SurvivalTally, survivors
+from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
 from mergekit_ram.integration.context import current_run, inputs_checked
@@ -67,25 +67,15 @@ PARAMETER_HELP = {
 
 def _survival_counter(
     tally: SurvivalTally | None, ids: Sequence[Hashable], written: torch.dtype
-) -> UniqueFn | None:
-    """The kernel's on_unique hook adding to `tally` (None: nothing to count)."""
+) -> RescaleFn | None:
+    """The kernel's on_rescaled hook adding to `tally` (None: nothing to count)."""
     if tally is None:
         return None
     name = str(written).removeprefix("torch.")
 
-    def count(
-        index: int,
-        base32: torch.Tensor,
-        tau: torch.Tensor,
-        rescaled: torch.Tensor,
-        scale: float,
-    ) -> None:
-        if scale == 1.0:
-            return
-        total = int(torch.count_nonzero(rescaled))
-        if total:
-            changed = survivors(base32, tau, rescaled, scale, written)
-            tally.add(ids[index], total, changed, name)
+    def count(index: int, rescaled: int, survived: int) -> None:
+        if rescaled:
+            tally.add(ids[index], rescaled, survived, name)
 
     return count
 
@@ -182,7 +172,7 @@ class RAMMerge(GroupMergeMethod):
             scales=scales,
             scale_fn=lambda _index, hist: _local_scale(rule, hist),
             out_dtype=written,
-            on_unique=_survival_counter(_tally(), ids, written),
+            on_rescaled=_survival_counter(_tally(), ids, written),
             **extra,
         )
         finite_output(group.metadata.name or "tensor", base, merged, None, nonfinite)

@@ -41,7 +41,14 @@ def _count_task(
         return
     base, inputs = group
     nonfinite = task.parameters.get("nonfinite", "refuse")
-    stats.add(name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite))
+    if nonfinite != "refuse" or not inputs:
+        stats.add(
+            name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite)
+        )
+    # Refusing, the count's own sums of τ tell finite inputs apart; only a
+    # group they doubt is checked element by element (and refused there).
+    elif not stats.add(name, base, inputs):
+        finite_inputs(name, task.base_model, base, inputs, nonfinite)
 
 
 def reversed_groups(

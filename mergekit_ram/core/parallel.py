@@ -1,0 +1,211 @@
+"""Worker threads for the chunked walks over a tensor's elements.
+
+The merge kernel and the overlap count walk a tensor a chunk at a time; on
+CPU the chunks are shared out, in contiguous runs, among Python threads that
+each run their torch ops on one thread (no per-op synchronisation, and a busy
+core only slows its own run). How many: the CPUs this process may use (its
+affinity mask and its cgroup's CPU quota; torch's default thread count reads
+neither quota), and no more than torch's thread count, which a caller may
+have lowered on purpose. One pool serves a whole merge (`workers`), not one
+per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+T = TypeVar("T")
+
+
+def cgroup_cpu_limit() -> float | None:
+    """CPUs the cgroup (v2) quota allows this process, or None without one.
+
+    The smallest `cpu.max` quota ÷ period on the way from this process's
+    cgroup (PROC_CGROUP) up to the root (CGROUP_ROOT): a parent's limit
+    binds its children too.
+    """
+    root = CGROUP_ROOT
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        lines = []
+    # cgroup v2 writes one line "0::/path"; a container usually sees "/".
+    path = next((ln[3:] for ln in lines if ln.startswith("0::")), "/")
+    folder = root / path.strip("/")
+    limits = []
+    while True:
+        limit = _quota(folder / "cpu.max")
+        if limit is not None:
+            limits.append(limit)
+        if folder == root or root not in folder.parents:
+            break
+        folder = folder.parent
+    return min(limits, default=None)
+
+
+def _quota(cpu_max: Path) -> float | None:
+    """quota ÷ period from one `cpu.max` file ("max 100000": no limit)."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def usable_cpus() -> int:
+    """How many CPUs this process may run on at once (at least 1).
+
+    Its affinity mask (`taskset`, a container's cpuset), capped by its
+    cgroup's CPU quota rounded up: a quota of 1.5 CPUs keeps two threads
+    busy three quarters of the time, which still does more than one.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def worker_count(device: torch.device) -> int:
+    """Threads for a chunked walk on `device`: 1 off the CPU (the device
+    parallelises each op), else the usable CPUs, at most torch's threads."""
+    if device.type != "cpu":
+        return 1
+    return max(1, min(usable_cpus(), torch.get_num_threads()))
+
+
+def contiguous_runs(count: int, workers: int) -> list[range]:
+    """range(count) cut into `workers` contiguous runs of near-equal length
+    (fewer when there are fewer items)."""
+    workers = max(1, min(workers, count))
+    return [
+        range(w * count // workers, (w + 1) * count // workers) for w in range(workers)
+    ]
+
+
+class Workers:
+    """A pool of `count − 1` threads; the calling thread is the count-th.
+
+    Its threads start on first use and live until `close`; `map` may be
+    called from several threads at once.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.count = max(1, count)
+        self._pool = ThreadPoolExecutor(
+            max(1, self.count - 1), thread_name_prefix="mergekit-ram"
+        )
+
+    def map(
+        self, work: Callable[[range], T], items: int, device: torch.device
+    ) -> list[T]:
+        """`work` on contiguous runs of range(items), one run per worker on
+        CPU (one run elsewhere: the device parallelises each op), with
+        torch's CPU ops on one thread meanwhile (restored after); results in
+        run order."""
+        runs = contiguous_runs(items, self.count if device.type == "cpu" else 1)
+        with one_cpu_thread(device):
+            others = [self._pool.submit(work, run) for run in runs[1:]]
+            try:
+                first = work(runs[0])
+            finally:
+                # Every run ends before the caller sees an error (they write
+                # into buffers the caller owns).
+                wait(others)
+        return [first, *(other.result() for other in others)]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_CURRENT: ContextVar[Workers | None] = ContextVar("mergekit_ram_workers", default=None)
+
+
+@contextmanager
+def workers() -> Iterator[Workers]:
+    """The pool of the merge in progress, or a new one for the block (sized
+    now, closed after) that chunked walks inside it use."""
+    pool = _CURRENT.get()
+    if pool is not None:
+        yield pool
+        return
+    pool = Workers(worker_count(torch.device("cpu")))
+    token = _CURRENT.set(pool)
+    try:
+        yield pool
+    finally:
+        _CURRENT.reset(token)
+        pool.close()
+
+
+@contextmanager
+def using(pool: Workers | None) -> Iterator[None]:
+    """Bind `pool` for the block (a merge task on a thread of its own)."""
+    if pool is None or _CURRENT.get() is pool:
+        yield
+        return
+    token = _CURRENT.set(pool)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+_HELD = threading.local()
+
+
+@contextmanager
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """torch's CPU ops on one thread for the block, the calling thread's
+    setting restored after (nested blocks restore it once, at the end).
+
+    A chunked walk runs some forty small in-cache operations per chunk;
+    splitting each over threads costs more than it saves, and on a busy
+    machine, where a woken thread waits for a core, it made a pass several
+    times slower (measured on 2 shared cores). torch keeps the count per OS
+    thread (OpenMP's), so each thread restores its own; a pool's threads
+    take the one in force when they first compute. GPU work is unaffected.
+    """
+    if device.type != "cpu":
+        yield
+        return
+    depth = getattr(_HELD, "depth", 0)
+    if depth == 0:
+        _HELD.saved = torch.get_num_threads()
+        if _HELD.saved != 1:
+            torch.set_num_threads(1)
+    _HELD.depth = depth + 1
+    try:
+        yield
+    finally:
+        _HELD.depth = depth
+        if depth == 0 and torch.get_num_threads() != _HELD.saved:
+            torch.set_num_threads(_HELD.saved)
+
+
+def run_on(work: Callable[[range], T], items: int, device: torch.device) -> Sequence[T]:
+    """`work` over range(items) in contiguous runs on the current pool (or
+    a pool for this call when no merge opened one)."""
+    with workers() as pool:
+        return pool.map(work, items, device)
