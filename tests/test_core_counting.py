@@ -9,7 +9,7 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
-from mergekit_ram.core import counting, kernel, parallel
+from mergekit_ram.core import counting, kernel
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
     OverlapStatistics,
@@ -106,7 +106,6 @@ def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads)
     """Three usable CPUs and threads, ten chunks: every chunk counted once,
     by runs of 3, 3, 4 (as chunk starts)."""
     monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
-    monkeypatch.setattr(parallel, "usable_cpus", lambda: 3)
     torch_threads(3)
     runs = []
     run_on = kernel.run_on

@@ -13,28 +13,7 @@ from mergekit.options import MergeOptions
 
 import mergekit_ram
 from mergekit_ram.core import parallel
-
-
-@pytest.fixture
-def machine(tmp_path, monkeypatch):
-    """A fake cgroup v2 tree and affinity mask: machine(cpus, {path: cpu.max},
-    cgroup path of this process)."""
-
-    def make(cpus: int, limits: dict[str, str], own: str = "/") -> None:
-        root = tmp_path / "cgroup"
-        for folder, text in limits.items():
-            (root / folder.strip("/")).mkdir(parents=True, exist_ok=True)
-            (root / folder.strip("/") / "cpu.max").write_text(text + "\n")
-        (root / own.strip("/")).mkdir(parents=True, exist_ok=True)
-        membership = tmp_path / "self-cgroup"
-        membership.write_text(f"0::{own}\n")
-        monkeypatch.setattr(parallel, "CGROUP_ROOT", root)
-        monkeypatch.setattr(parallel, "PROC_CGROUP", membership)
-        monkeypatch.setattr(
-            parallel.os, "sched_getaffinity", lambda _pid: set(range(cpus))
-        )
-
-    return make
+from mergekit_ram.integration.cpus import usable_cpus
 
 
 @pytest.fixture
@@ -44,36 +23,13 @@ def torch_threads():
     torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize(
-    "cpus, limits, own, usable",
-    [
-        (8, {}, "/", 8),  # no cgroup file: the affinity mask
-        (8, {"/": "max 100000"}, "/", 8),  # no quota
-        (8, {"/": "150000 100000"}, "/", 2),  # 1.5 CPUs: two threads
-        (8, {"/": "50000 100000"}, "/", 1),  # half a CPU: still one
-        (2, {"/": "400000 100000"}, "/", 2),  # the mask is smaller
-        # A parent's quota binds its children; the smallest one counts.
-        (16, {"/a": "300000 100000", "/a/b": "max 100000"}, "/a/b", 3),
-        (16, {"/a": "600000 100000", "/a/b": "200000 100000"}, "/a/b", 2),
-        (8, {"/": "garbage"}, "/", 8),  # unreadable: ignored
-    ],
-)
-def test_usable_cpus_follow_affinity_and_cgroup_quota(
-    machine, cpus, limits, own, usable
-):
-    machine(cpus, limits, own)
-    assert parallel.usable_cpus() == usable
-
-
-def test_worker_count_is_capped_by_torch_threads_and_one_off_the_cpu(
-    machine, torch_threads
-):
-    machine(8, {"/": "300000 100000"})
+def test_worker_count_is_capped_by_torch_threads_and_one_off_the_cpu(torch_threads):
     torch_threads(2)
-    assert parallel.worker_count(torch.device("cpu")) == 2
+    assert parallel.worker_count(torch.device("cpu"), 3) == 2
     torch_threads(6)
-    assert parallel.worker_count(torch.device("cpu")) == 3
-    assert parallel.worker_count(torch.device("meta")) == 1
+    assert parallel.worker_count(torch.device("cpu"), 3) == 3
+    assert parallel.worker_count(torch.device("cpu")) == 6  # no CPU count given
+    assert parallel.worker_count(torch.device("meta"), 3) == 1
 
 
 def test_runs_are_contiguous_and_cover_everything():
@@ -179,5 +135,6 @@ def test_one_pool_serves_a_whole_merge(family_bf16, tmp_path, monkeypatch):
         str(tmp_path / "out"),
         MergeOptions(quiet=True),
     )
-    assert len(walks) > 2 and made == [parallel.worker_count(torch.device("cpu"))]
+    usable = parallel.worker_count(torch.device("cpu"), usable_cpus())
+    assert len(walks) > 2 and made == [usable]
     assert closed == [1]

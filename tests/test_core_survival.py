@@ -9,7 +9,7 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, on, sparse_tasks
 
-from mergekit_ram.core import kernel, parallel
+from mergekit_ram.core import kernel
 from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.survival import SurvivalTally
 
@@ -53,7 +53,6 @@ def test_kernel_counts_what_survives_elementwise(
     # Chunks that end inside rows and a last partial chunk, on one or three
     # workers; every task with λ ≠ 1 is heard once, with the reference's counts.
     monkeypatch.setattr(kernel, "MERGE_CHUNK", chunk)
-    monkeypatch.setattr(parallel, "usable_cpus", lambda: workers)
     threads = torch.get_num_threads()
     torch.set_num_threads(workers)
     try:

@@ -12,9 +12,10 @@ take integer / bool buffers from the base model, as a config merge does.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -28,16 +29,19 @@ from mergekit.options import MergeOptions
 from mergekit_ram.core.checks import finite_inputs, uncomputable
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.parallel import workers
 from mergekit_ram.core.settings import (
     SCALAR_KEYS,
     MergeSettings,
     one_value_error,
     varying_key,
 )
+from mergekit_ram.integration.cpus import usable_cpus
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import RAMMerge
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
+T = TypeVar("T")
 
 
 def run_merge(
@@ -238,6 +242,19 @@ def _base_buffers(
     }
 
 
+def _pooled(function: Callable[..., T]) -> Callable[..., T]:
+    """One pool of worker threads for the whole call (its count and its
+    merge), sized for the CPUs this process may use."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> T:
+        with workers(usable_cpus()):
+            return function(*args, **kwargs)
+
+    return call
+
+
+@_pooled
 def merge_tensors(
     tensors: Sequence[torch.Tensor],
     method: str | MergeMethod,
@@ -295,6 +312,7 @@ def merge_tensors(
     )
 
 
+@_pooled
 def merge_state_dicts(
     models: Mapping[Hashable, StateDictLike] | Sequence[StateDictLike],
     method: str | MergeMethod,

@@ -3,96 +3,36 @@
 The merge kernel and the overlap count walk a tensor a chunk at a time; on
 CPU the chunks are shared out, in contiguous runs, among Python threads that
 each run their torch ops on one thread (no per-op synchronisation, and a busy
-core only slows its own run). How many: the CPUs this process may use (its
-affinity mask and its cgroup's CPU quota; torch's default thread count reads
-neither quota), and no more than torch's thread count, which a caller may
-have lowered on purpose. One pool serves a whole merge (`workers`), not one
-per tensor.
+core only slows its own run). How many: the CPUs this process may use (read
+off the machine by integration.cpus and passed in; torch's default thread
+count reads no CPU quota), and no more than torch's thread count, which a
+caller may have lowered on purpose. One pool serves a whole merge
+(`workers`), not one per tensor.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
-
 T = TypeVar("T")
 
 
-def cgroup_cpu_limit() -> float | None:
-    """CPUs the cgroup (v2) quota allows this process, or None without one.
-
-    The smallest `cpu.max` quota ÷ period on the way from this process's
-    cgroup (PROC_CGROUP) up to the root (CGROUP_ROOT): a parent's limit
-    binds its children too.
-    """
-    root = CGROUP_ROOT
-    try:
-        lines = PROC_CGROUP.read_text().splitlines()
-    except OSError:
-        lines = []
-    # cgroup v2 writes one line "0::/path"; a container usually sees "/".
-    path = next((ln[3:] for ln in lines if ln.startswith("0::")), "/")
-    folder = root / path.strip("/")
-    limits = []
-    while True:
-        limit = _quota(folder / "cpu.max")
-        if limit is not None:
-            limits.append(limit)
-        if folder == root or root not in folder.parents:
-            break
-        folder = folder.parent
-    return min(limits, default=None)
-
-
-def _quota(cpu_max: Path) -> float | None:
-    """quota ÷ period from one `cpu.max` file ("max 100000": no limit)."""
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return int(quota) / int(period)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def usable_cpus() -> int:
-    """How many CPUs this process may run on at once (at least 1).
-
-    Its affinity mask (`taskset`, a container's cpuset), capped by its
-    cgroup's CPU quota rounded up: a quota of 1.5 CPUs keeps two threads
-    busy three quarters of the time, which still does more than one.
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
-    quota = cgroup_cpu_limit()
-    if quota is not None:
-        cpus = min(cpus, math.ceil(quota))
-    return max(1, cpus)
-
-
-def worker_count(device: torch.device) -> int:
+def worker_count(device: torch.device, cpus: int | None = None) -> int:
     """Threads for a chunked walk on `device`: 1 off the CPU (the device
-    parallelises each op), else the usable CPUs, at most torch's threads."""
+    parallelises each op), else the CPUs this process may use (`cpus`, which
+    the caller reads off the machine: integration.cpus), at most torch's
+    threads."""
     if device.type != "cpu":
         return 1
-    return max(1, min(usable_cpus(), torch.get_num_threads()))
+    threads = torch.get_num_threads()
+    return max(1, min(cpus or threads, threads))
 
 
 def contiguous_runs(count: int, workers: int) -> list[range]:
@@ -143,14 +83,14 @@ _CURRENT: ContextVar[Workers | None] = ContextVar("mergekit_ram_workers", defaul
 
 
 @contextmanager
-def workers() -> Iterator[Workers]:
+def workers(cpus: int | None = None) -> Iterator[Workers]:
     """The pool of the merge in progress, or a new one for the block (sized
-    now, closed after) that chunked walks inside it use."""
+    now for `cpus` usable CPUs, closed after) that chunked walks inside it use."""
     pool = _CURRENT.get()
     if pool is not None:
         yield pool
         return
-    pool = Workers(worker_count(torch.device("cpu")))
+    pool = Workers(worker_count(torch.device("cpu"), cpus))
     token = _CURRENT.set(pool)
     try:
         yield pool

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from mergekit_ram.core.parallel import Workers, using, workers
 from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.integration.cpus import usable_cpus
 
 
 @dataclass(eq=False)
@@ -58,7 +59,7 @@ def merge_run() -> Iterator[MergeRun]:
     if run is not None:
         yield run
         return
-    with workers() as pool:
+    with workers(usable_cpus()) as pool:
         run = MergeRun(workers=pool)
         token = _CURRENT.set(run)
         try:
