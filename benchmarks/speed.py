@@ -185,7 +185,7 @@ def _write_config(size: str, path: str) -> None:
         max_position_embeddings=2048,
         tie_word_embeddings=False,
         architectures=["LlamaForCausalLM"],
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     ).save_pretrained(path)
 
 

@@ -315,6 +315,39 @@ def _no_pass(monkeypatch):
     return calls
 
 
+def assert_local_section(card, family, base, tasks, settings) -> None:
+    """Issue 30 item 6: the card of a tensor-local merge has its statistics
+    section: each agent's counts over the whole model, and the smallest and
+    largest λ a tensor gave it, as the dense reference computes them."""
+    section = card.split("### RAM+ statistics (tensor-local)")[1]
+    rows = {
+        cells[0]: cells[1:]
+        for line in section.splitlines()
+        if line.startswith("| /")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    per_tensor = reference.counts(base, tasks, 1e-5)
+    C, S, U, _ = reference.csu(per_tensor, len(tasks))
+    elements = sum(t.numel() for t in base.values())
+    lams = [
+        [
+            reference.lam(c[t], s[t], u[t], settings["r"], settings["alpha"], "clip")
+            for t in range(len(tasks))
+        ]
+        for c, s, u, _ in (
+            reference.csu({name: counted}, len(tasks))
+            for name, counted in per_tensor.items()
+        )
+    ]
+    for t, name in enumerate(family.tasks):
+        changed, unique, shared, _rho, lam, _survives = rows[family.paths[name]]
+        assert changed == f"{100 * C[t] / elements:.2f} %"
+        assert unique == f"{100 * U[t] / C[t]:.2f} %"
+        assert shared == f"{100 * S[t] / C[t]:.2f} %"
+        low, high = (f(lam_t[t] for lam_t in lams) for f in (min, max))
+        assert lam == f"{low:.4f}–{high:.4f}"
+
+
 def test_tensor_scope_has_no_pass(family_f32, tmp_path, monkeypatch):
     calls = _no_pass(monkeypatch)
     family = family_f32
@@ -323,9 +356,10 @@ def test_tensor_scope_has_no_pass(family_f32, tmp_path, monkeypatch):
     out = run(text, tmp_path / "out")
     assert not calls
     assert not (out / STATISTICS_FILE).exists()
-    assert "RAM+ statistics" not in (out / "README.md").read_text(encoding="utf-8")
     base = family.state("base")
     tasks = family.task_states()
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert_local_section(card, family, base, tasks, settings)
     expected, _ = reference.merge(base, tasks, statistics="tensor", **settings)
     merged = merged_state(out)
     assert_same_state(merged, expected)

@@ -13,6 +13,7 @@ mergekit merge is mergekit_ram.integration.statistics_pass.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,34 @@ class TaskCounts:
         if self.unique:
             return self.shared / self.unique
         return math.inf if self.shared else 0.0
+
+
+@dataclass
+class LocalScales:
+    """What tensor-local RAM+ computed, per task: its counts summed over the
+    tensors it merged, and the smallest and largest λ a tensor gave it.
+    Merge tasks may run on several threads (--multi-gpu): `add` is locked."""
+
+    tasks: dict[Hashable, TaskCounts] = field(default_factory=dict)
+    scales: dict[Hashable, tuple[float, float]] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(
+        self,
+        name: str,
+        task: Hashable,
+        elements: int,
+        histogram: list[int],
+        scale: float,
+    ) -> None:
+        with self._lock:
+            total = self.tasks.setdefault(task, TaskCounts())
+            add_histogram(total.histogram, histogram)
+            total.elements += elements
+            low, high = self.scales.get(task, (scale, scale))
+            self.scales[task] = (min(low, scale), max(high, scale))
+            self.names.add(name)
 
 
 @dataclass

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mergekit_ram.core.counting import LocalScales
 from mergekit_ram.core.parallel import Workers, using, workers
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.cpus import usable_cpus
@@ -32,7 +33,8 @@ class MergeRun:
     `tally` None unless some task model's unique elements are rescaled;
     `inner_products`: the caller (`merge --report`) wants the statistics pass
     to sum the task vectors' inner products too, for the report's retention;
-    `workers`: the threads its chunked walks share (None outside `merge_run`).
+    `workers`: the threads its chunked walks share (None outside `merge_run`);
+    `local`: what tensor-local RAM+ computed, for the card.
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -42,6 +44,7 @@ class MergeRun:
     tally: SurvivalTally | None = None
     inner_products: bool = False
     workers: Workers | None = None
+    local: LocalScales = field(default_factory=LocalScales)
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -85,6 +85,7 @@ def patch_card(merge: ModuleType) -> None:
         card_section,
         described_card,
         in_config_order,
+        local_card_section,
     )
 
     original = getattr(merge, "generate_card", None)
@@ -115,7 +116,12 @@ def patch_card(merge: ModuleType) -> None:
         if ours:
             card = described_card(card, config)
         result = statistics_for_card()
-        return card if result is None else card + card_section(*result)
+        if result is not None:
+            return card + card_section(*result)
+        run = current_run()
+        if run is not None and run.local.tasks:
+            return card + local_card_section(run.local, run.tally)
+        return card
 
     is_hf.__mergekit_ram__ = lookup
     generate_card.__mergekit_ram__ = original

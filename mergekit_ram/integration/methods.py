@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -170,7 +170,7 @@ class RAMMerge(GroupMergeMethod):
             [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
-            scale_fn=lambda _index, hist: _local_scale(rule, hist),
+            scale_fn=_local_scales(rule, group.metadata.name or "tensor", ids, base),
             out_dtype=written,
             on_rescaled=_survival_counter(_tally(), ids, written),
             **extra,
@@ -185,10 +185,21 @@ def _tally() -> SurvivalTally | None:
     return None if run is None else run.tally
 
 
-def _local_scale(rule: ScaleRule, histogram: torch.Tensor) -> float:
-    """λ from one tensor's k-way histogram (statistics: tensor)."""
-    counts = TaskCounts(histogram.tolist())
-    return rule.scale(counts.shared, counts.unique)
+def _local_scales(
+    rule: ScaleRule, name: str, ids: Sequence[Hashable], base: torch.Tensor
+) -> Callable[[int, torch.Tensor], float]:
+    """λ from one tensor's k-way histogram (statistics: tensor), noted in the
+    merge in progress for its card."""
+    run = current_run()
+
+    def scale(index: int, histogram: torch.Tensor) -> float:
+        counts = TaskCounts(histogram.tolist())
+        value = rule.scale(counts.shared, counts.unique)
+        if run is not None:
+            run.local.add(name, ids[index], base.numel(), counts.histogram, value)
+        return value
+
+    return scale
 
 
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:

@@ -16,7 +16,7 @@ from mergekit import merge_methods
 from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 
-from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.verdict import verdict_of
@@ -123,35 +123,63 @@ def card_section(
     With a survival tally, a column says which share of each task's rescaled
     unique elements the rescale still changes in the written model.
     """
-    lines = [
-        "",
-        "### RAM+ statistics",
-        "",
+    intro = (
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
         f"r = {settings.r:g}, {settings.rule.saturation_text()}) over "
         f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
         f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
-        f"Full counts are in `{STATISTICS_FILE}`.",
-        "",
-        f"**Verdict:** {verdict_of(stats).sentence}",
-        "",
-    ]
+        f"Full counts are in `{STATISTICS_FILE}`.\n\n"
+        f"**Verdict:** {verdict_of(stats).sentence}"
+    )
+    lam = {task: f"{scales.get(task, 1.0):.4f}" for task in stats.tasks}
+    return _section("RAM+ statistics", intro, stats.tasks, lam, survival)
+
+
+def local_card_section(local: LocalScales, survival: SurvivalTally | None) -> str:
+    """The card's section for tensor-local RAM+: each tensor's λ came from
+    its own overlap, so the table shows each agent's counts summed over the
+    tensors and the range of λ they gave it."""
+    elements = max((counts.elements for counts in local.tasks.values()), default=0)
+    intro = (
+        f"Tensor-local RAM+ (statistics: tensor): every tensor's λ comes from "
+        f"that tensor's own overlap, over {len(local.names)} tensors and "
+        f"{elements:,} elements; the counts below are summed over them, and λ "
+        "is the smallest to the largest a tensor gave the agent. Computed by "
+        f"mergekit-ram (a plugin for mergekit, {where_from()})."
+    )
+    lam = {
+        task: f"{low:.4f}" if low == high else f"{low:.4f}–{high:.4f}"
+        for task, (low, high) in local.scales.items()
+    }
+    return _section("RAM+ statistics (tensor-local)", intro, local.tasks, lam, survival)
+
+
+def _section(
+    title: str,
+    intro: str,
+    tasks: Mapping[Hashable, TaskCounts],
+    lam: Mapping[Hashable, str],
+    survival: SurvivalTally | None,
+) -> str:
+    """A card section: a title, its introduction, the per-agent table, the legend."""
     counts = {} if survival is None else survival.counts
     rows = []
-    for task, row in zip(stats.tasks, task_rows(stats, scales)):
+    for task, found in tasks.items():
         rescaled, survived = counts.get(task, (0, 0))
+        rho = found.rho
         rows.append(
             [
-                row["model"],
-                percent(row["changed"], row["elements"]),
-                percent(row["unique"], row["changed"]),
-                percent(row["shared"], row["changed"]),
-                "∞" if row["rho"] is None else f"{row['rho']:.4f}",
-                f"{row['scale']:.4f}",
+                str(task),
+                percent(found.changed, found.elements),
+                percent(found.unique, found.changed),
+                percent(found.shared, found.changed),
+                "∞" if not math.isfinite(rho) else f"{rho:.4f}",
+                lam[task],
                 percent(survived, rescaled, 1),
             ]
         )
     headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ", "λ survives"]
+    lines = ["", f"### {title}", "", intro, ""]
     lines += markdown_table(headers, rows)
     lines += ["", *CARD_LEGEND]
     if survival is not None and survival.lost():
