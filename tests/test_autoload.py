@@ -7,7 +7,6 @@ mergekit) are started together once per module and awaited by the tests.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -22,7 +21,6 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 import mergekit_ram
-from mergekit_ram.integration.methods import RAMMerge
 
 BIN = Path(sys.executable).parent
 OURS = "mergekit_ram.integration.methods.RAMMerge"
@@ -280,13 +278,3 @@ def test_hook_start_up_cost_below_50ms(tmp_path):
         assert len(lines) == 1, err
         timings.append(int(lines[0].group(2)))
     assert min(timings) < 50_000, timings
-
-
-def test_entry_points_declared():
-    eps = importlib.metadata.entry_points(group="mergekit.merge_methods")
-    ours = {ep.name: ep for ep in eps if ep.value.startswith("mergekit_ram")}
-    assert sorted(ours) == ["ram", "ramplus"]
-    for name, ep in ours.items():
-        method = ep.load()
-        assert isinstance(method, RAMMerge)
-        assert method.spec.name == name

@@ -14,4 +14,4 @@ def test_finite_output_allows_nonfinite_kept_from_the_base(on_device):
     finite_output("t", base, base.clone())
     merged = torch.tensor([1e6, float("inf")], device=on_device)
     with pytest.raises(RAMInputError, match="Merged tensor t has 1"):
-        finite_output("t", base, merged, torch.float16)
+        finite_output("t", base, merged.to(torch.float16))

@@ -51,7 +51,9 @@ def workspace(family_f32, tmp_path_factory) -> Workspace:
 @pytest.fixture(scope="module")
 def outcomes(workspace) -> dict[str, Outcome]:
     """Every case run once through the CLI (shared by the table test)."""
-    return {case.id: run_case(case, workspace) for case in CASES}
+    found = {case.id: run_case(case, workspace) for case in CASES}
+    assert len(found) == len(CASES), "two cases share an id"
+    return found
 
 
 def config_of(document: dict) -> MergeConfiguration:
@@ -81,11 +83,6 @@ def test_errors_page_table_matches_the_messages(outcomes):
             "docs/errors.md's table of rejected inputs differs from the messages the "
             f"code prints; regenerate it with `{REGENERATE}`."
         )
-
-
-def test_case_ids_are_unique():
-    ids = [case.id for case in CASES]
-    assert len(ids) == len(set(ids))
 
 
 def test_weight_spy_catches_reads(family_f32, tmp_path):

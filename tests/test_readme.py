@@ -180,15 +180,6 @@ def test_licence_file_matches_pyproject():
     assert gpl.split()[:6] == ["GNU", "GENERAL", "PUBLIC", "LICENSE", "Version", "3,"]
 
 
-def test_the_spec_is_cited_where_a_clone_has_it():
-    old_name = "RAM_" + "SPEC"
-    texts = list(PAGES)
-    texts += [*ROOT.glob("mergekit_ram/**/*.py"), *ROOT.glob("tests/*.py")]
-    texts += [*ROOT.glob("benchmarks/**/*.py"), *ROOT.glob("benchmarks/**/*.md")]
-    citing = [str(p.relative_to(ROOT)) for p in texts if old_name in p.read_text()]
-    assert citing == []
-
-
 def test_readme_is_a_front_door():
     """Under 20 KB, the two commands and Use before the details, the PyTorch
     choice next to the two commands, every docs page linked from it."""

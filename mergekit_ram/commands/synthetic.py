@@ -141,7 +141,3 @@ def merge_yaml(paths: dict[str, str], method: str, **parameters) -> str:
     if parameters:
         config["parameters"] = parameters
     return yaml.safe_dump(config, sort_keys=False)
-
-
-def agent_names(paths: dict[str, str]) -> list[str]:
-    return [name for name in paths if name != "base"]

@@ -157,8 +157,7 @@ def finite_inputs(
 def finite_output(
     name: str,
     base: torch.Tensor,
-    merged: torch.Tensor,
-    out_dtype: torch.dtype | None = None,
+    written: torch.Tensor,
     nonfinite: str = "refuse",
 ) -> None:
     """Refuse a merged tensor that became non-finite where its base is finite.
@@ -167,7 +166,6 @@ def finite_output(
     replaced by the base's), so such a value comes from λ·τ overflowing the
     compute or the output dtype; it is a parameter the user must change.
     """
-    written = merged if out_dtype is None else merged.to(out_dtype)
     if _all_finite(written):
         return
     new = ~torch.isfinite(written) & torch.isfinite(base)

@@ -175,7 +175,7 @@ class RAMMerge(GroupMergeMethod):
             on_rescaled=_survival_counter(_tally(), ids, written),
             **extra,
         )
-        finite_output(group.metadata.name or "tensor", base, merged, None, nonfinite)
+        finite_output(group.metadata.name or "tensor", base, merged, nonfinite)
         return merged
 
 
