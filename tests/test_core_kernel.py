@@ -351,3 +351,35 @@ def test_nonfinite_base_kept_where_every_task_took_its_value(scales, on_device):
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     assert out[0] == math.inf and out[1].isnan() and out[2] == -math.inf
     assert out[3] == 1.0 + 0.5 * scales[0] and out[5] == 3.5
+
+
+@pytest.mark.parametrize(
+    "where, value, heard",
+    [
+        (None, None, False),  # every τ finite: no second look
+        ("task", math.nan, True),
+        ("task", math.inf, True),
+        ("base", -math.inf, True),
+    ],
+)
+def test_the_walk_says_when_some_tau_is_not_finite(
+    monkeypatch, where, value, heard, on_device
+):
+    """Refusing, the merge reads no input again unless its own sums of τ say
+    so (once per tensor, whichever chunk and worker saw it)."""
+    import mergekit_ram.core.kernel as kernel
+
+    monkeypatch.setattr(kernel, "MERGE_CHUNK", 64)
+    base, tasks = sparse_tasks((37, 29), [0.4, 0.3, 0.5], seed=7)
+    if where == "task":
+        tasks[1].view(-1)[500] = value
+    elif where == "base":
+        base.view(-1)[900] = value
+    calls = []
+    ram_merge_tensor(
+        *on(on_device, base, tasks),
+        epsilon=EPSILON,
+        scales=[1.2, 1.0, 1.1],
+        on_nonfinite=lambda: calls.append(1),
+    )
+    assert calls == ([1] if heard else [])

@@ -537,7 +537,8 @@ def test_nan_check_runs_once(
     # Under refuse the statistics pass's check stands for the merge's; without
     # a pass, or under ignore (which replaces values), the merge checks. The
     # pass checks with finite_inputs, or under refuse with the count's own
-    # sums of τ (`checked`).
+    # sums of τ (`checked`); the merge with finite_inputs, or under refuse
+    # with its walk's own sums of τ (`on_nonfinite`).
     import mergekit_ram.core.counting as counted
     import mergekit_ram.integration.methods as methods
 
@@ -559,6 +560,14 @@ def test_nan_check_runs_once(
     )
     monkeypatch.setattr(
         methods, "finite_inputs", counting("merge", methods.finite_inputs)
+    )
+    # Refusing, the mean kernel's walk checks with its own sums of τ.
+    monkeypatch.setattr(
+        methods,
+        "ram_merge_tensor",
+        counting(
+            "merge", methods.ram_merge_tensor, lambda kwargs: "on_nonfinite" in kwargs
+        ),
     )
     run(family_f32.yaml(method, parameters=parameters), tmp_path / "out")
     has_pass = method == "ramplus" and parameters.get("statistics") != "tensor"

@@ -230,6 +230,7 @@ def ram_merge_tensor(
     scale_fn: ScaleFn | None = None,
     out_dtype: torch.dtype | None = None,
     on_rescaled: RescaleFn | None = None,
+    on_nonfinite: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Merge one tensor by the RAM rule; returns out_dtype (default: base's).
 
@@ -242,10 +243,14 @@ def ram_merge_tensor(
     own counts (the tensor-local statistics scope; one more read of the
     inputs). `on_rescaled` hears, for each task with λ ≠ 1, how many unique
     elements it rescaled and how many of those still differ from RAM's value
-    once written. Callers refuse or replace non-finite inputs first (the
-    `nonfinite` rule); a τ that is NaN (a non-finite base, which `nonfinite:
-    ignore` hands on with every task's value there replaced by it) counts as
-    unchanged, as in the count, so such an element keeps the base's value.
+    once written. Callers refuse or replace non-finite inputs (the
+    `nonfinite` rule): first, or, refusing, after the walk, which calls
+    `on_nonfinite` when some chunk's sum of τ was not finite (every τ is
+    finite otherwise; an overflowing sum only says "look closer"), so the
+    inputs need no read of their own. A τ that is NaN (a non-finite base,
+    which `nonfinite: ignore` hands on with every task's value there replaced
+    by it) counts as unchanged, as in the count, so such an element keeps
+    the base's value.
     """
     _check_scales(tasks, scales)
     written = out_dtype or base.dtype
@@ -257,18 +262,20 @@ def ram_merge_tensor(
     out = torch.empty(flat_base.shape, dtype=written, device=base.device)
     tally = on_rescaled is not None and any(scale != 1.0 for scale in lambdas)
 
-    def merge(steps: list[tuple[int, int]]) -> torch.Tensor | None:
+    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor | None, bool]:
         width = max((stop - start for start, stop in steps), default=0)
         merger = _ChunkMerge(
             ChunkReader(flat_base, flat_tasks, epsilon, width), lambdas, written, tally
         )
         for start, stop in steps:
             merger.merge(start, stop, out[start:stop])
-        return merger.tally
+        return merger.tally, merger.doubtful
 
-    tallies = chunked_walk(flat_base, MERGE_CHUNK, merge)
+    walked = chunked_walk(flat_base, MERGE_CHUNK, merge)
+    if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
+        on_nonfinite()
     if on_rescaled is not None and tally:
-        totals = sum(tallies).tolist()
+        totals = sum(tally for tally, _ in walked).tolist()
         for index, scale in enumerate(lambdas):
             if scale != 1.0:
                 on_rescaled(index, int(totals[index][0]), int(totals[index][1]))
@@ -353,6 +360,7 @@ class _ChunkMerge:
             if tally
             else None
         )
+        self.doubtful = False  # some chunk's Σ τ was not finite
 
     def merge(self, start: int, stop: int, out: torch.Tensor) -> None:
         """Elements [start, stop) into `out` (that slice of the output)."""
@@ -364,9 +372,11 @@ class _ChunkMerge:
             self._signed_zeros(tau, part.mask)
         delta = self._sum(tau)
         if not _sum_is_finite(delta):
-            # NaN·0 from a τ that is NaN where its mask is 0 (a non-finite
-            # base under `nonfinite: ignore`): that task leaves the element
-            # unchanged, as mergekit's where() has it; ±∞ stays.
+            # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
+            # refusing, the caller checks the inputs; ignoring, it is a
+            # non-finite base's, and that task leaves the element unchanged,
+            # as mergekit's where() has it; ±∞ stays.
+            self.doubtful = True
             torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
             delta = self._sum(tau)
         if self.rescales:

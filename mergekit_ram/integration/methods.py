@@ -153,29 +153,39 @@ class RAMMerge(GroupMergeMethod):
                     "mergekit_ram.run_merge / merge_state_dicts / merge_tensors, "
                     "set unique_scale per model, or set statistics: tensor."
                 )
+        name = group.metadata.name or "tensor"
         inputs = {entry.id: entry.tensor for entry in tasks}
-        if nonfinite != "refuse" or not inputs_checked():
-            # Refusal was the statistics pass's job when it ran.
-            inputs = finite_inputs(
-                group.metadata.name or "tensor", group.base.id, base, inputs, nonfinite
-            )
         kernel, extra = {
             "mean": (ram_merge_tensor, {}),
             "ties": (ties_merge_tensor, {"density": density}),
             "base": (unique_merge_tensor, {}),
         }[shared]
+
+        def check() -> dict:
+            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
+
+        if nonfinite != "refuse":
+            inputs = check()  # a non-finite value becomes the base's
+        elif inputs_checked():
+            pass  # the statistics pass refused non-finite inputs already
+        elif shared == "mean":
+            # The walk's own sums of τ tell finite inputs apart; only a
+            # tensor they doubt is read again, element by element.
+            extra = {"on_nonfinite": check}
+        else:
+            check()
         ids = [entry.id for entry in tasks]
         merged = kernel(
             base,
             [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
-            scale_fn=_local_scales(rule, group.metadata.name or "tensor", ids, base),
+            scale_fn=_local_scales(rule, name, ids, base),
             out_dtype=written,
             on_rescaled=_survival_counter(_tally(), ids, written),
             **extra,
         )
-        finite_output(group.metadata.name or "tensor", base, merged, nonfinite)
+        finite_output(name, base, merged, nonfinite)
         return merged
 
 
