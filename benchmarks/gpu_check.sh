@@ -43,7 +43,7 @@ tests=(
   tests/test_core_checks.py
   tests/test_integration_methods.py
   tests/test_integration_methods_out_dtype.py
-  tests/test_integration_planner_survival.py
+  tests/test_integration_statistics_survival.py
 )
 log="$(mktemp)"
 "$PY" -m pytest -q --cuda -k cuda -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$log"

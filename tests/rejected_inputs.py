@@ -38,7 +38,7 @@ from mergekit.io.tasks import LoaderCache
 from safetensors.torch import load_file, save_file
 
 from mergekit_ram.commands.cli import main
-from mergekit_ram.integration import prefetch
+from mergekit_ram.integration import statistics as prefetch
 
 REPO = Path(__file__).resolve().parent.parent
 ERRORS_PAGE = REPO / "docs" / "errors.md"

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from conftest import TaskSpec
 from safetensors.torch import load_file, save_file
 
-import mergekit_ram.integration.statistics_pass
+import mergekit_ram.integration.statistics
 from mergekit_ram.commands.analysis import PAPER_R, analyze_config
 from mergekit_ram.commands.cli import main
 from mergekit_ram.commands.merge_cli import parse_r_values
@@ -665,14 +665,14 @@ def test_epsilon_override_is_monotone(models, dense):
 def pass_counter(monkeypatch):
     """Counts calls of the statistics engine's collect_planned, wherever imported."""
     calls = []
-    original = mergekit_ram.integration.statistics_pass.collect_planned
+    original = mergekit_ram.integration.statistics.collect_planned
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("desc"))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(
-        mergekit_ram.integration.statistics_pass, "collect_planned", counting
+        mergekit_ram.integration.statistics, "collect_planned", counting
     )
     return calls
 

@@ -52,7 +52,7 @@ def test_reference_exists(where, dotted):
 
 def test_rho_is_null_by_one_rule_everywhere():
     """outputs.md says what report_schema.md says: null only when U = 0 and
-    S > 0 (ρ = ∞), which is what integration.results.task_rows writes."""
+    S > 0 (ρ = ∞), which is what integration.statistics.task_rows writes."""
     rule = "U = 0 and S > 0"
     schema = (DOCS / "report_schema.md").read_text(encoding="utf-8").splitlines()
     (row,) = [line for line in schema if line.startswith("| `rho` |")]

@@ -38,7 +38,7 @@ from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WRITTEN_WEIGHTS as WEIGHTS
 from mergekit_ram.integration.install import patch_run_merge
-from mergekit_ram.integration.planner import RAMMergeTask
+from mergekit_ram.integration.methods import RAMMergeTask
 from mergekit_ram.integration.publishing import guarded_run_merge
 
 BIN = Path(sys.executable).parent

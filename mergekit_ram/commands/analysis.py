@@ -2,7 +2,7 @@
 
 The analysis plans the configuration exactly as a merge would (mergekit's
 MergePlanner, without our RAM+ hook so nothing is counted twice) and runs the
-one statistics engine (integration.statistics_pass) over the planned groups:
+one statistics engine (integration.statistics) over the planned groups:
 every tensor group is read once, counted, and dropped. The report
 (commands.report) is derived from the resulting OverlapStatistics alone, so
 `mergekit-ram merge --report` can build the very same report from the
@@ -34,7 +34,11 @@ from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.statistics_pass import count_planned, planned_settings
+from mergekit_ram.integration.statistics import (
+    count_planned,
+    plan_merges,
+    planned_settings,
+)
 
 PAPER_R = 0.1
 PAPER_DEFAULTS = MergeSettings(
@@ -71,52 +75,6 @@ class Analysis:
         )
 
 
-# ---------------------------------------------------------------- planning
-
-
-def plan_merges(config: Any, options: Any) -> list[Any]:
-    """The merge tasks a merge of `config` would run (config is not modified).
-
-    As mergekit.merge.run_merge plans, but through the planner's original
-    `_plan`, so the RAM+ hook does not run its own statistics pass. A
-    configuration of another merge method is planned as `ramplus` with no
-    global parameters: the same tensors, inputs and gather tasks.
-    """
-    from mergekit import merge as mergekit_merge
-    from mergekit.architecture import get_architecture_info
-    from mergekit.io.tasks import LoaderCache
-    from mergekit.plan import MergePlanner
-    from tqdm import tqdm
-
-    install()
-    config = config.model_copy(deep=True)
-    if not is_ours(config.merge_method):
-        # Only the models and the base matter: plan as RAM+ so that another
-        # method's required parameters (weight, density, ...) are not needed
-        # and its own parameters (DELLA's epsilon, ...) are not read as ours.
-        config.merge_method = "ramplus"
-        config.parameters = None
-    if not config.models and not config.slices and not config.modules:
-        raise ValueError("the configuration has no models")
-    arch_info = get_architecture_info(config, options)
-    loader_cache = LoaderCache()
-    loader_cache.setup(options=options)
-    # Through the module attribute: install() wrapped it (patch_out_config).
-    out_config = mergekit_merge._model_out_config(
-        config, arch_info, trust_remote_code=options.trust_remote_code
-    )
-    for model in tqdm(
-        config.referenced_models(), desc="Warmup loader cache", disable=options.quiet
-    ):
-        loader_cache.get(model)
-    planner = MergePlanner(
-        config, arch_info, options=options, out_model_config=out_config
-    )
-    plan = getattr(MergePlanner._plan, "__mergekit_ram__", MergePlanner._plan)
-    plan(planner)
-    return [task for _, task in planner._tensors]
-
-
 def resolve_settings(
     method: str, merges: Sequence[Any], epsilon: float | None
 ) -> tuple[MergeSettings, dict[Hashable, float | None]]:
@@ -134,6 +92,7 @@ def analyze_config(
     config: Any, options: Any, *, epsilon: float | None = None
 ) -> Analysis:
     """Plan `config` and run the statistics engine once over its tensors."""
+    install()
     merges = plan_merges(config, options)
     if not merges:
         raise ValueError("the configuration plans no tensors")

@@ -21,8 +21,8 @@ from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
 from mergekit_ram.integration.install import install
-from mergekit_ram.integration.results import STATISTICS_FILE
-from mergekit_ram.integration.tables import percent, text_table
+from mergekit_ram.integration.statistics import STATISTICS_FILE
+from mergekit_ram.integration.tables import SHARE_HEADERS, share_cells, text_table
 
 # What the demo writes into its folder, and nothing else.
 MODELS, CONFIG, MERGED = "models", "ramplus.yml", "merged"
@@ -62,21 +62,17 @@ def check_out_dir(root: str) -> None:
 
 
 def _table(document: dict, names: dict) -> str:
-    rows = []
-    for task in document["tasks"]:
-        changed = task["changed"]
-        rows.append(
-            [
-                names[task["model"]],
-                percent(changed, task["elements"], 1),
-                percent(task["unique"], changed, 1),
-                percent(task["shared"], changed, 1),
-                "inf" if task["rho"] is None else f"{task['rho']:.3f}",
-                f"{task['scale']:.4f}",
-            ]
-        )
-    headers = ["agent", "changed", "unique", "shared", "rho", "λ"]
-    return "\n".join(text_table(headers, rows))
+    rows = [
+        [
+            names[task["model"]],
+            *share_cells(
+                task["elements"], task["changed"], task["unique"], task["shared"], 1
+            ),
+            f"{task['scale']:.4f}",
+        ]
+        for task in document["tasks"]
+    ]
+    return "\n".join(text_table(["agent", *SHARE_HEADERS, "λ"], rows))
 
 
 def _check_loads(path: str) -> str:

@@ -15,7 +15,7 @@ from mergekit_ram.core.pairs import changed_per_tensor, pairwise
 from mergekit_ram.core.regime import METHODS, expected_unique, ratio, retentions
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.verdict import verdict_of
-from mergekit_ram.integration.results import statistics_document, with_survival
+from mergekit_ram.integration.statistics import statistics_document, with_survival
 
 SCHEMA_VERSION = 1
 

@@ -10,7 +10,7 @@ from typing import Any
 from mergekit_ram.commands import figures
 from mergekit_ram.commands.render import REPORT_JSON, render_markdown
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.results import strict_json
+from mergekit_ram.integration.statistics import strict_json
 
 REPORT_MD = "report.md"
 

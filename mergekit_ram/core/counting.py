@@ -7,7 +7,7 @@ Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
 alongside, from the same masks. Asked for (`inner_products`), the same pass
 also sums the task vectors' inner products from which `core.regime` derives
 how much of each task vector a merge keeps. Streaming over a planned
-mergekit merge is mergekit_ram.integration.statistics_pass.
+mergekit merge is mergekit_ram.integration.statistics.
 """
 
 from __future__ import annotations

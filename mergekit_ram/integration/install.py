@@ -1,11 +1,11 @@
-"""Put our methods into mergekit: registry, planner, card and run_merge.
+"""Put our methods into mergekit: every change to it is one line of PATCHES.
 
-mergekit 0.1.5 has no plugin discovery, so this writes into its registry
-table (taking over `ram` on purpose: stock `ram` ignores r/alpha, ours equals
-it at defaults) and wraps two planner methods, the card generator and its hub
-lookup, run_merge (which publishes RAM merges by swap, so a failed one
-never costs a file) and the output-config builder (to drop a deprecation
-warning mergekit's own code triggers). Every
+mergekit 0.1.5 has no plugin discovery and no hooks for what RAM+ needs, so
+this writes into its registry table (taking over `ram` on purpose: stock
+`ram` ignores r/alpha, ours equals it at defaults) and wraps two planner
+methods, the card generator and its hub lookup, run_merge (checks first, a
+merge that touches only its own files) and the output-config builder. Each
+line of PATCHES names the hook mergekit lacks that would remove it. Every
 step is idempotent and checks that the host still looks as expected, failing
 with IncompatibleMergekit otherwise rather than half-working.
 """
@@ -16,8 +16,9 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import _mergekit_ram_autoload as autoload
 
@@ -62,7 +63,10 @@ def register_methods() -> None:
 
 def patch_planner(plan: ModuleType) -> None:
     """Wrap MergePlanner._plan / plan_to_disk for whole-model statistics."""
-    from mergekit_ram.integration.planner import patched_plan, patched_plan_to_disk
+    from mergekit_ram.integration.statistics import (
+        patched_plan,
+        patched_plan_to_disk,
+    )
 
     for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
         planner = getattr(plan, "MergePlanner", None)
@@ -78,14 +82,13 @@ def patch_card(merge: ModuleType) -> None:
     merge, name its variant and the base model's licence and list its models
     in the configuration's order; and keep the card's hub lookup from failing
     or stalling a finished RAM merge offline."""
+    from mergekit_ram.integration.card import described_card, in_config_order
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.methods import is_ours
-    from mergekit_ram.integration.planner import statistics_for_card
-    from mergekit_ram.integration.results import (
+    from mergekit_ram.integration.statistics import (
         card_section,
-        described_card,
-        in_config_order,
         local_card_section,
+        statistics_for_card,
     )
 
     original = getattr(merge, "generate_card", None)
@@ -184,11 +187,53 @@ def patch_out_config(merge: ModuleType) -> None:
     merge._model_out_config = _model_out_config
 
 
+class Patch(NamedTuple):
+    """One change to mergekit: where, what does it, and the hook mergekit
+    lacks whose arrival would let this line go."""
+
+    module: str
+    apply: Callable[[ModuleType], None]
+    changes: str
+    missing_hook: str
+
+
+# Every change this package makes to mergekit 0.1.5, in one place. (Besides
+# these, `methods.RAMMerge` overrides GroupMergeMethod._execute to hand the
+# output dtype to the kernel, which mergekit passes only to _execute.)
 PATCHES = (
-    ("mergekit.plan", patch_planner),
-    ("mergekit.merge", patch_card),
-    ("mergekit.merge", patch_run_merge),
-    ("mergekit.merge", patch_out_config),
+    Patch(
+        "mergekit.merge_methods.registry",
+        lambda _module: register_methods(),
+        "registry._METHODS: `ram` replaced, `ramplus` added",
+        "a way to replace a registered method (register() refuses a taken name)",
+    ),
+    Patch(
+        "mergekit.plan",
+        patch_planner,
+        "MergePlanner._plan, plan_to_disk: merge tasks made RAMMergeTask with "
+        "global λ; a task writing ram_statistics.json",
+        "a method hook after planning, and one for tasks after the model is written",
+    ),
+    Patch(
+        "mergekit.merge",
+        patch_card,
+        "merge.generate_card, card.is_hf: the variant, licence, statistics "
+        "section; no hub lookup of a local folder",
+        "a method hook for its card section; a card that knows local paths",
+    ),
+    Patch(
+        "mergekit.merge",
+        patch_run_merge,
+        "merge.run_merge (and scripts that bound it): checks first, then "
+        "staging and publishing inside OUT",
+        "a pre-merge validation hook and an output writer that stages and publishes",
+    ),
+    Patch(
+        "mergekit.merge",
+        patch_out_config,
+        "merge._model_out_config: transformers' torch_dtype warning dropped",
+        "passing dtype, not the deprecated torch_dtype, to transformers",
+    ),
 )
 
 
@@ -199,10 +244,11 @@ def install(eager: bool = True) -> None:
     is not completely loaded yet is left for the autoload hook to patch when
     its import finishes.
     """
-    register_methods()
-    for module, patch in PATCHES:
+    for patch in PATCHES:
+        module = patch.module
         loaded = module in sys.modules and not autoload.loading(module)
-        if loaded or eager:
+        # The registry first and always: the methods exist before any plan.
+        if loaded or eager or patch is PATCHES[0]:
             # sys.modules first: a module whose import just finished is not yet
             # an attribute of its package, and `import a.b` would fail on it.
-            patch(sys.modules.get(module) or importlib.import_module(module))
+            patch.apply(sys.modules.get(module) or importlib.import_module(module))

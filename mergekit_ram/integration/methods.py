@@ -1,4 +1,15 @@
-"""`ram` and `ramplus` as mergekit merge methods (declarative spec + kernel call)."""
+"""`ram` and `ramplus` as mergekit merge methods: start reading here.
+
+A method is mergekit's small frozen object with a declarative spec: its
+parameters (`_spec`: names, types, scopes, defaults, `PARAMETER_HELP`) and
+`merge_group`, which takes one tensor group and calls the kernel
+(`core.kernel.ram_merge_tensor`, or the authors' `shared: ties` / `base`
+modes). mergekit plans each tensor as an `ExecuteMergeMethodTask`; the
+planner hook (`statistics`) makes it a `RAMMergeTask` of the merge in
+progress, which applies RAM's input rules first and hands whole-model λ in
+as `unique_scale`. Overridden mergekit internals: `_execute` (to pass the
+output dtype to the kernel; see install.PATCHES).
+"""
 
 from __future__ import annotations
 
@@ -17,16 +28,23 @@ from mergekit.merge_methods.base import (
     PerInputValues,
     TensorGroup,
 )
-from pydantic import BeforeValidator, Field
+from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
+from pydantic import BeforeValidator, Field, PrivateAttr
 
-from mergekit_ram.core.checks import finite_inputs, finite_output
+from mergekit_ram.core.checks import check_layout, finite_inputs, finite_output
 from mergekit_ram.core.counting import TaskCounts
 from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
-from mergekit_ram.integration.context import current_run, inputs_checked
+from mergekit_ram.integration.context import (
+    MergeRun,
+    checked_inputs,
+    current_run,
+    inputs_checked,
+    running,
+)
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 
@@ -254,3 +272,46 @@ METHODS = (ram, ramplus)
 
 def is_ours(name: str) -> bool:
     return name in {method.spec.name for method in METHODS}
+
+
+# --- the planned merge task --------------------------------------------------
+
+
+class RAMMergeTask(ExecuteMergeMethodTask):
+    """mergekit's merge task, with RAM's input rules before mergekit's checks.
+
+    A non-float base tensor (an integer or bool buffer) is passed through as
+    the base has it, even where a task model's differs (mergekit would
+    refuse); mismatched shapes fail with a RAMInputError naming the models
+    and, for a vocabulary axis, pointing to tokenizer_source. Its
+    out_dtype is the dtype the tensor is written in. It carries the merge it
+    belongs to (a private attribute: not part of the task's identity) and
+    runs inside it, also on a worker thread, so the method finds the run's
+    survival tally. `_checked`: the statistics pass already checked its
+    inputs for NaN/Inf (set by with_scales), so the merge skips that check
+    under `nonfinite: refuse`.
+    """
+
+    _run: MergeRun | None = PrivateAttr(default=None)
+    _checked: bool = PrivateAttr(default=False)
+
+    def execute(self, tensors: dict, **kwargs: Any) -> Any:
+        base = tensors.get(self.base_model)
+        if base is not None:
+            if not base.is_floating_point():
+                return base
+            weight = self.output_weight
+            check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
+        with running(self._run), checked_inputs(self._checked):
+            return super().execute(tensors, **kwargs)
+
+
+def as_ram_task(
+    task: ExecuteMergeMethodTask, out_dtype: str | None, run: MergeRun | None
+) -> RAMMergeTask:
+    """The same planned merge as a RAMMergeTask of `run`, writing `out_dtype`."""
+    fields = type(task).model_fields
+    values = {name: getattr(task, name) for name in fields}
+    ram_task = RAMMergeTask(**{**values, "out_dtype": out_dtype})
+    ram_task._run = run
+    return ram_task

@@ -11,6 +11,24 @@ def percent(part: float, whole: float, digits: int = 2) -> str:
     return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
 
 
+# The per-agent columns every table of ours shows (card, demo, report.md).
+SHARE_HEADERS = ("changed", "unique", "shared", "ρ = S/U")
+
+
+def share_cells(
+    elements: int, changed: int, unique: int, shared: int, digits: int = 2
+) -> list[str]:
+    """An agent's changed share of all elements, its unique and shared
+    shares of its changes, and ρ = S/U (∞ with shared but no unique)."""
+    rho = "–" if not changed else "∞" if not unique else f"{shared / unique:.4f}"
+    return [
+        percent(changed, elements, digits),
+        percent(unique, changed, digits),
+        percent(shared, changed, digits),
+        rho,
+    ]
+
+
 def text_table(headers: Sequence[Any], rows: Sequence[Sequence[Any]]) -> list[str]:
     """Aligned columns: the first left-justified, the others right-justified."""
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]

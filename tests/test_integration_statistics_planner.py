@@ -20,7 +20,7 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
 import mergekit_ram
-import mergekit_ram.integration.statistics_pass
+import mergekit_ram.integration.statistics
 from mergekit_ram.integration.methods import ramplus
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -309,9 +309,7 @@ def _no_pass(monkeypatch):
         calls.append(args)
         raise AssertionError("the statistics pass ran")
 
-    monkeypatch.setattr(
-        mergekit_ram.integration.statistics_pass, "collect_planned", refuse
-    )
+    monkeypatch.setattr(mergekit_ram.integration.statistics, "collect_planned", refuse)
     return calls
 
 
@@ -438,15 +436,13 @@ def test_partial_unique_scale_counts_the_rest(family_f32, tmp_path):
 
 def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypatch):
     passes = []
-    original = mergekit_ram.integration.statistics_pass.collect_planned
+    original = mergekit_ram.integration.statistics.collect_planned
 
     def counted(*args, **kwargs):
         passes.append(args)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(
-        mergekit_ram.integration.statistics_pass, "collect_planned", counted
-    )
+    monkeypatch.setattr(mergekit_ram.integration.statistics, "collect_planned", counted)
     family = family_f32
     text = family.yaml("ramplus")
     config = MergeConfiguration.model_validate(yaml.safe_load(text))
@@ -551,7 +547,7 @@ def test_nan_check_runs_once(
 
         return check
 
-    stats = mergekit_ram.integration.statistics_pass
+    stats = mergekit_ram.integration.statistics
     monkeypatch.setattr(stats, "finite_inputs", counting("pass", stats.finite_inputs))
     monkeypatch.setattr(
         counted,

@@ -6,7 +6,7 @@ the tasks it needs, and ends up with the statistics a forward pass counts.
 It keeps about one tensor group in memory, not the model. Two families share
 their largest tensor (and every tensor shape) but differ eight-fold in depth.
 In a fresh interpreter each runs mergekit's planner with the real hook; the
-statistics pass (integration.statistics_pass.collect_planned) is wrapped to
+statistics pass (integration.statistics.collect_planned) is wrapped to
 sample the process's anonymous resident memory while it runs.
 
 Why anonymous memory: safetensors hands out tensors that are views of the
@@ -31,8 +31,8 @@ import torch
 from conftest import TaskSpec, build_family, merge_yaml, read_json
 from mergekit.graph import Executor, Task
 
-import mergekit_ram.integration.statistics_pass as statistics_pass
-from mergekit_ram.integration.planner import RAMMergeTask
+import mergekit_ram.integration.statistics as statistics_pass
+from mergekit_ram.integration.methods import RAMMergeTask
 
 # --- order --------------------------------------------------------------------
 
@@ -154,7 +154,7 @@ from mergekit.merge import _model_out_config
 from mergekit.options import MergeOptions
 from mergekit.plan import MergePlanner
 
-import mergekit_ram.integration.statistics_pass as planning
+import mergekit_ram.integration.statistics as planning
 
 
 def anon_kib():

@@ -1,6 +1,7 @@
-"""mergekit_ram.integration.results: strict JSON (issue finding 10), the
-model card's RAM+ section and model order (issue 18), and its variant
-heading, licence, verdict and repository address (issue 30)."""
+"""mergekit_ram.integration.card, with the statistics document and card section:
+strict JSON (issue finding 10), the model card's RAM+ section and model order
+(issue 18), and its variant heading, licence, verdict and repository address
+(issue 30)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,9 @@ import mergekit_ram
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.integration import results
-from mergekit_ram.integration.results import (
-    base_license,
-    card_section,
-    strict_json,
-    variant,
-)
+from mergekit_ram.integration import card as results
+from mergekit_ram.integration.card import base_license, variant
+from mergekit_ram.integration.statistics import card_section, strict_json
 
 
 def test_report_json_is_strict():

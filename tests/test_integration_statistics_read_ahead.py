@@ -19,8 +19,8 @@ from conftest import merge_yaml, read_json
 from faults import ours_left
 from safetensors.torch import save_file
 
-import mergekit_ram.integration.prefetch as prefetch
-import mergekit_ram.integration.statistics_pass as statistics_pass
+import mergekit_ram.integration.statistics as prefetch
+import mergekit_ram.integration.statistics as statistics_pass
 
 
 def test_safetensors_spans_point_at_each_tensors_bytes(tmp_path):

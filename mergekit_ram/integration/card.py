@@ -1,0 +1,148 @@
+"""The model card of a RAM merge: its variant in the Merge Method heading, the
+base model's licence, its models in the configuration's order, and where
+mergekit-ram comes from. (The RAM+ statistics section is `statistics`'.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+
+import huggingface_hub
+import yaml
+from mergekit import merge_methods
+from mergekit.common import ModelReference
+from mergekit.config import MergeConfiguration
+
+from mergekit_ram.integration.config_groups import groups
+from mergekit_ram.integration.model_locations import model_references
+from mergekit_ram.integration.parameter_schema import _possible
+
+
+def repository_url() -> str | None:
+    """The repository address the installed package declares (pyproject's
+    [project.urls]), if it declares one."""
+    try:
+        entries = metadata.metadata("mergekit-ram").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return None
+    urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
+    for label in ("Repository", "Source", "Homepage"):
+        if label in urls:
+            return urls[label]
+    return None
+
+
+def where_from() -> str:
+    """Where a reader of the card gets mergekit-ram (it is not on PyPI)."""
+    url = repository_url()
+    if url is None:
+        return "not on PyPI: installed from a clone of its repository"
+    return f"not on PyPI: install it from its repository, {url}"
+
+
+# How each `shared` mode is named in the card's heading.
+SHARED_MODES = ("mean", "ties", "base")
+
+
+def variant(config: MergeConfiguration) -> str:
+    """The RAM variant a configuration merges with, for the card's heading:
+    RAM or RAM+, the statistics scope and rule (RAM+), and `shared`."""
+    specs = {p.name: p for p in merge_methods.get(config.merge_method).spec.parameters}
+    values: dict[str, set[Any]] = {
+        name: set() for name in ("r", "statistics", "saturation", "shared")
+    }
+    for group in groups(config):
+        for name, found in values.items():
+            found |= _possible(specs[name], group.blocks)
+
+    def one(name: str, words: Mapping[Any, str]) -> str:
+        if len(values[name]) == 1:
+            return words[next(iter(values[name]))]
+        return f"{name} varies per tensor"
+
+    parts = []
+    if any(r > 0 for r in values["r"]):
+        name = "RAM+" if all(r > 0 for r in values["r"]) else "RAM / RAM+"
+        scopes = {"global": "global statistics", "tensor": "tensor-local statistics"}
+        parts += [
+            one("statistics", scopes),
+            one("saturation", {"clip": "clip rule", "soft": "soft rule"}),
+        ]
+    else:
+        name = "RAM"
+    parts.append(one("shared", {mode: f"`shared: {mode}`" for mode in SHARED_MODES}))
+    return f"{name} ({', '.join(parts)})"
+
+
+def base_license(config: MergeConfiguration) -> str | None:
+    """The licence the base model's card (README.md front matter) states:
+    a local folder's, or a hub model's already in the local cache (no
+    download). None when there is none to read."""
+    if config.base_model is None:
+        return None
+    location = config.base_model.model
+    readme = os.path.join(location.path, "README.md")
+    try:
+        if not os.path.isdir(location.path):
+            cached = huggingface_hub.try_to_load_from_cache(
+                location.path, "README.md", revision=location.revision
+            )
+            readme = cached if isinstance(cached, str) else ""
+        with open(readme, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, ValueError):  # no such file; not a valid hub id
+        return None
+    front = front_matter(text)
+    value = None if front is None else front[0].get("license")
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def front_matter(card: str) -> tuple[dict[str, Any], int] | None:
+    """A card's YAML front matter and the offset of its closing `---` line;
+    None without one (or when it is not a mapping)."""
+    if not card.startswith("---\n"):
+        return None
+    end = card.find("\n---", 3)
+    if end < 0:
+        return None
+    try:
+        data = yaml.safe_load(card[4:end])
+    except yaml.YAMLError:
+        return None
+    return (data, end) if isinstance(data, dict) else None
+
+
+def described_card(card: str, config: MergeConfiguration) -> str:
+    """mergekit's card for a RAM merge, with the variant in its Merge Method
+    heading and the base model's licence in its metadata (mergekit writes
+    neither)."""
+    card = card.replace(
+        "### Merge Method\n", f"### Merge Method: {variant(config)}\n", 1
+    )
+    license_ = base_license(config)
+    front = front_matter(card)
+    if license_ is None or front is None or "license" in front[0]:
+        return card
+    end = front[1]
+    entry = yaml.safe_dump({"license": license_}).rstrip("\n")
+    return card[:end].rstrip("\n") + "\n" + entry + card[end:]
+
+
+class _InConfigOrder(MergeConfiguration):
+    """A configuration whose referenced_models() follows the configuration."""
+
+    def referenced_models(self) -> list[ModelReference]:
+        found = model_references(self, groups(self))
+        position = {reference: index for index, (_, reference) in enumerate(found)}
+        return sorted(
+            super().referenced_models(), key=lambda m: position.get(m, len(position))
+        )
+
+
+def in_config_order(config: MergeConfiguration) -> MergeConfiguration:
+    """`config` as mergekit's card should see it: the card lists
+    referenced_models(), a set in mergekit, so its model list (and its
+    `base_model` metadata) changed order from run to run."""
+    return _InConfigOrder.model_construct(**dict(config))
