@@ -3,10 +3,10 @@
 Whole processes, timed from outside (time.perf_counter around each run),
 the cases taking turns round by round; medians are printed. `merge --help`
 is timed cold (nothing kept: MERGEKIT_RAM_CACHE="") and kept (the text the
-first call rendered). The last two rows merge the same tiny model (a base
-and two agents, 2 layers, in a temporary folder) with `mergekit-ram merge`
-and stock `mergekit-yaml`: the merge itself is milliseconds, so the time is
-start-up; the ratio is taken round by round.
+first call rendered). The last two rows merge the same tiny models (the
+demo's base and three agents, in a temporary folder) with `mergekit-ram
+merge` and stock `mergekit-yaml`: the merge itself takes little, so the time
+is mostly start-up; the ratio is taken round by round.
 
     python benchmarks/startup.py --rounds 7
 """
@@ -27,34 +27,12 @@ BIN = Path(sys.executable).parent
 
 
 def tiny_models(root: Path) -> Path:
-    """A base and two sparse agents of a 2-layer Llama; the RAM+ config."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The demo's base and three sparse agents (2 layers); their RAM+ config."""
+    from mergekit_ram.commands.synthetic import build_models, merge_yaml
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(root / "base")
-    base = {k: v.clone() for k, v in model.state_dict().items()}
-    for name in ("coder", "tool"):
-        with torch.no_grad():
-            for key, value in model.state_dict().items():
-                changed = torch.rand_like(value) < 0.1
-                value.copy_(base[key] + 0.01 * changed)
-        model.save_pretrained(root / name)
-    text = (
-        f"merge_method: ramplus\nbase_model: {root / 'base'}\nmodels:\n"
-        f"  - model: {root / 'coder'}\n  - model: {root / 'tool'}\n"
-    )
-    (root / "ramplus.yml").write_text(text, encoding="utf-8")
-    return root / "ramplus.yml"
+    config = root / "ramplus.yml"
+    config.write_text(merge_yaml(build_models(str(root)), "ramplus"), encoding="utf-8")
+    return config
 
 
 def timed(command: list[str], env: dict[str, str]) -> float:
