@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from filelock import FileLock, Timeout
 
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.checkpoints import INDEX_FILES, WRITTEN_WEIGHTS
+from mergekit_ram.integration.checkpoints import WRITTEN_WEIGHTS
 from mergekit_ram.integration.interrupts import Interrupted, interruptions, signal_name
 
 LOG = logging.getLogger(__name__)
@@ -59,8 +59,6 @@ VERSION = 1
 STATE_LIMIT = 16 << 20  # bytes: a journal or manifest of ours is far smaller
 # Present only in a folder a merge wrote (the recipe; global RAM+ statistics).
 MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
-# Files only a merge writes, removed when a new merge into OUT does not.
-MERGE_OUTPUTS = (*MERGE_SIGNS, *INDEX_FILES)
 MODEL_CONFIG = "config.json"  # what makes a folder load as a model
 NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 # (kind, size, mtime_ns): what a file of OUT was when it was recorded.
@@ -419,7 +417,8 @@ class OutputState:
         names = os.listdir(self.target)
         if recorded or previous_merge(set(names)):
             for name in names:
-                if name in MERGE_OUTPUTS or WRITTEN_WEIGHTS.fullmatch(name):
+                # Only a merge writes these (weights and their index included).
+                if name in MERGE_SIGNS or WRITTEN_WEIGHTS.fullmatch(name):
                     identity = _identity(self.out(name))
                     if identity is not None and identity[0] == "file":
                         found[name] = identity
