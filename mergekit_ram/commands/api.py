@@ -26,7 +26,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import MergeMethod, PerGroupValues
 from mergekit.options import MergeOptions
 
-from mergekit_ram.core.checks import finite_inputs, uncomputable
+from mergekit_ram.core.checks import finite_inputs, from_base, uncomputable
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.parallel import workers
@@ -235,7 +235,7 @@ def _base_buffers(
     """The state dicts with every model's copy of a non-float base buffer
     replaced by the base's, so mergekit's copy-if-equal rule copies the base's
     (RAM has no task vector for integer or bool buffers)."""
-    buffers = {n: t for n, t in dicts[base].items() if not t.is_floating_point()}
+    buffers = {n: t for n, t in dicts[base].items() if from_base(t.dtype)}
     return {
         key: {n: buffers.get(n, t) for n, t in state.items()}
         for key, state in dicts.items()
@@ -290,7 +290,7 @@ def merge_tensors(
         "merge_tensors", ((f"input {i}", t) for i, t in zip(ids, tensors)), ours
     )
     base = ids[base_index] if base_index is not None else None
-    if ours and base is not None and not tensors[base_index].is_floating_point():
+    if ours and base is not None and from_base(tensors[base_index].dtype):
         return tensors[base_index].clone()
     parameters = _checked_parameters(
         method,

@@ -16,6 +16,13 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.naming import module_of
 
 
+def from_base(dtype: torch.dtype | None) -> bool:
+    """The one rule for buffers: RAM merges floating-point tensors only, so
+    an integer or bool tensor (position ids, masks) has no task vector and
+    is the base's, as is (even where a task model's differs)."""
+    return dtype is not None and not dtype.is_floating_point
+
+
 def _label(model: Hashable, base: Hashable) -> str:
     return f"base model {model}" if model == base else f"model {model}"
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mergekit_ram.core.checks import check_layout
+from mergekit_ram.core.checks import check_layout, from_base
 from mergekit_ram.core.kernel import (
     change_mask,
     count_masks,
@@ -273,7 +273,7 @@ def group_tensors(
     every task tensor must have the base's layout (RAMInputError).
     """
     base = tensors.get(base_id)
-    if base is None or not base.is_floating_point():
+    if base is None or from_base(base.dtype):
         return None
     check_layout(name, tensors, base_id, vocabulary_axis)
     move = (lambda t: t.to(device)) if device is not None else (lambda t: t)

@@ -107,7 +107,9 @@ class Tensor(NamedTuple):
     @property
     def merged(self) -> bool:
         """Whether RAM merges it (floating point) rather than copying the base's."""
-        return self.dtype is None or self.dtype.is_floating_point
+        from mergekit_ram.core.checks import from_base
+
+        return not from_base(self.dtype)
 
 
 def _refuse(role: str, model: str, file: str, problem: str) -> RAMInputError:

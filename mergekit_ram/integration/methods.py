@@ -31,7 +31,12 @@ from mergekit.merge_methods.base import (
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from pydantic import BeforeValidator, Field, PrivateAttr
 
-from mergekit_ram.core.checks import check_layout, finite_inputs, finite_output
+from mergekit_ram.core.checks import (
+    check_layout,
+    finite_inputs,
+    finite_output,
+    from_base,
+)
 from mergekit_ram.core.counting import TaskCounts
 from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
@@ -147,8 +152,7 @@ class RAMMerge(GroupMergeMethod):
         if group.base is None:
             raise ValueError(f"{self.spec.name} needs a base model")
         base = group.base.tensor
-        if not base.is_floating_point():
-            # Integer and bool buffers have no task vector: the base's, as is.
+        if from_base(base.dtype):
             return base.clone()
         written = out_dtype or base.dtype
         tasks = group.non_base
@@ -298,7 +302,7 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
         base = tensors.get(self.base_model)
         if base is not None:
-            if not base.is_floating_point():
+            if from_base(base.dtype):
                 return base
             weight = self.output_weight
             check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
