@@ -569,3 +569,27 @@ def test_nan_check_runs_once(
     has_pass = method == "ramplus" and parameters.get("statistics") != "tensor"
     assert (calls["pass"] > 0) == has_pass
     assert (calls["merge"] > 0) == merge_checks
+
+
+@pytest.mark.parametrize(
+    "method, parameters, task_checks",
+    [
+        ("ramplus", {}, False),
+        ("ramplus", {"statistics": "tensor"}, True),
+        ("ram", {}, True),
+    ],
+)
+def test_layout_is_checked_once_per_tensor_at_run_time(
+    method, parameters, task_checks, family_f32, tmp_path, monkeypatch
+):
+    """The statistics pass checks every group's layout; after it, the merge
+    task does not check the same tensors again (it does without a pass)."""
+    import mergekit_ram.integration.methods as methods
+
+    calls = []
+    real = methods.check_layout
+    monkeypatch.setattr(
+        methods, "check_layout", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    run(family_f32.yaml(method, parameters=parameters or None), tmp_path / "out")
+    assert bool(calls) == task_checks

@@ -292,8 +292,8 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     belongs to (a private attribute: not part of the task's identity) and
     runs inside it, also on a worker thread, so the method finds the run's
     survival tally. `_checked`: the statistics pass already checked its
-    inputs for NaN/Inf (set by with_scales), so the merge skips that check
-    under `nonfinite: refuse`.
+    inputs (layout, and NaN/Inf; set by with_scales), so the merge skips the
+    layout check and, under `nonfinite: refuse`, the NaN/Inf check.
     """
 
     _run: MergeRun | None = PrivateAttr(default=None)
@@ -304,8 +304,11 @@ class RAMMergeTask(ExecuteMergeMethodTask):
         if base is not None:
             if from_base(base.dtype):
                 return base
-            weight = self.output_weight
-            check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
+            if not self._checked:  # the statistics pass checked these inputs
+                weight = self.output_weight
+                check_layout(
+                    weight.name, tensors, self.base_model, weight.vocabulary_axis
+                )
         with running(self._run), checked_inputs(self._checked):
             return super().execute(tensors, **kwargs)
 
