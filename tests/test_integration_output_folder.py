@@ -460,6 +460,65 @@ def test_staging_that_is_a_link_is_removed_not_followed(previous, tmp_path):
     assert ours_left(previous) == []
 
 
+@pytest.mark.parametrize("link", ["staged", "folder"])
+def test_a_journal_over_linked_staging_moves_nothing_in(previous, tmp_path, link):
+    """A clone shipping `.mergekit-ram/journal.json` and a staging link to the
+    user's home: finishing that journal would move the user's key into OUT.
+    Refused before anything moves; the fix the message names works."""
+    home = tmp_path / "home" / ".ssh"
+    home.mkdir(parents=True)
+    (home / "id_rsa").write_text("secret")
+    found = os.lstat(home / "id_rsa")
+    identity = ("file", found.st_size, found.st_mtime_ns)
+    if link == "staged":
+        os.symlink(home.parent, previous / STATE / "staged")
+    else:
+        (previous / STATE / "staged").mkdir()
+        os.symlink(home, previous / STATE / "staged" / ".ssh")
+    journal = Journal(".ssh", (("id_rsa", None),), (), {"id_rsa": identity})
+    (previous / STATE / JOURNAL).write_text(json.dumps(journal.document()))
+    before = tree(previous)
+    with pytest.raises(OutputError, match="staging folder is a link"):
+        staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == before
+    (previous / STATE / JOURNAL).unlink()
+    staged_merge(str(previous), writer(NEW))
+    assert (home / "id_rsa").read_text() == "secret"
+    assert not (previous / "id_rsa").exists()
+    assert ours_left(previous) == []
+
+
+def test_a_journal_moves_only_files_exactly_as_staged(previous, caplog):
+    """A journal (from a `cp -r` or a clone) whose staged file is not the one
+    it recorded: that file stays out of OUT, with a warning; the rest of the
+    journal is finished."""
+    staged = previous / STATE / "staged" / "out"
+    staged.mkdir(parents=True)
+    (staged / "planted.txt").write_text("not what was staged")
+    (staged / "extra.txt").write_text("staged")
+    found = os.lstat(staged / "extra.txt")
+    planted = ("file", 1, 1)
+    journal = Journal(
+        "out",
+        moves=(("planted.txt", None), ("extra.txt", None)),
+        removals=(),
+        manifest={
+            "planted.txt": planted,
+            "extra.txt": ("file", found.st_size, found.st_mtime_ns),
+        },
+    )
+    (previous / STATE / JOURNAL).write_text(json.dumps(journal.document()))
+    user = user_tree(previous)
+    with locked(str(previous)) as state:
+        state.recover()
+    assert (previous / "extra.txt").read_text() == "staged"
+    assert not (previous / "planted.txt").exists()
+    assert "planted.txt" in caplog.text and "staging" in caplog.text
+    staged_merge(str(previous), writer(NEW))
+    assert user_tree(previous) == user
+    assert ours_left(previous) == []
+
+
 # --- the user's folder stays theirs -----------------------------------------------
 
 COUNTING = """

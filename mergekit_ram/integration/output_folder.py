@@ -346,8 +346,32 @@ class OutputState:
                     "or another version); nothing was changed",
                     "If no merge is running into it, delete that file and run again.",
                 )
+            if not self._staging_is_ours(journal):
+                raise _refuse(
+                    self.shown,
+                    f"holds {journal_path}, whose staging folder is a link, not "
+                    "a folder, or on another file system: it was not left by a "
+                    "merge into this folder (it may come from a copy or a "
+                    "clone); nothing was changed",
+                    "If no merge is running into it, delete that file and run again.",
+                )
             self._finish(journal, "an earlier run's publish")
         self.discard()
+
+    def _staging_is_ours(self, journal: Journal) -> bool:
+        """Whether the journal's staging is plain folders of OUT's file system
+        (a link there would move files from elsewhere into OUT); absent parts
+        hold nothing to move."""
+        device = os.lstat(self.root).st_dev
+        staging = self.path(STAGED)
+        for path in (staging, os.path.join(staging, journal.folder)):
+            try:
+                found = os.lstat(path)
+            except FileNotFoundError:
+                return True
+            if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
+                return False
+        return True
 
     def staging(self) -> str:
         """A fresh folder for mergekit to write the merge into; its last name
@@ -463,28 +487,38 @@ class OutputState:
 
         A file of OUT is removed or replaced only while it is exactly what
         the journal recorded; one that changed meanwhile is kept (and the
-        merge's file for it dropped), with a warning naming it.
+        merge's file for it dropped), with a warning naming it. Likewise a
+        staged file moves only while it is exactly what was staged.
         """
         staged = os.path.join(self.path(STAGED), journal.folder)
         ordered = sorted(journal.moves, key=lambda move: move[0] == MODEL_CONFIG)
+
+        def as_staged(name: str) -> Identity | None:
+            """The staged file's identity, or None: moved in already, or absent."""
+            return _identity(os.path.join(staged, name))
+
         for name, replaces in ordered:
-            if name == MODEL_CONFIG and os.path.lexists(os.path.join(staged, name)):
+            if name == MODEL_CONFIG and as_staged(name) == journal.manifest.get(name):
                 if replaces is not None and _identity(self.out(name)) == replaces:
                     os.unlink(self.out(name))  # no longer a model until the end
         for name, identity in journal.removals:
             if _identity(self.out(name)) == identity:
                 os.unlink(self.out(name))
-        kept = []
+        kept, foreign = [], []
         for name, replaces in ordered:
-            source = os.path.join(staged, name)
-            if not os.path.lexists(source):
+            staged_as = as_staged(name)
+            if staged_as is None:
                 continue  # moved in by an earlier run of this journal
-            if _identity(self.out(name)) in (None, replaces):
-                os.replace(source, self.out(name))
+            if staged_as != journal.manifest.get(name):
+                foreign.append(name)  # not the file this publish staged
+            elif _identity(self.out(name)) in (None, replaces):
+                os.replace(os.path.join(staged, name), self.out(name))
             else:
                 kept.append(name)
         _fsync(self.target)
-        manifest = {n: i for n, i in journal.manifest.items() if n not in kept}
+        manifest = {
+            n: i for n, i in journal.manifest.items() if n not in kept + foreign
+        }
         document = {"format": FORMAT, "version": VERSION, "files": manifest}
         _write_durably(self.path(MANIFEST), document)
         if not os.path.lexists(self.path(GITIGNORE)):  # OUT may be a git clone
@@ -492,6 +526,14 @@ class OutputState:
                 handle.write("# mergekit-ram's own state: never part of the model\n*\n")
         os.unlink(self.path(JOURNAL))
         _fsync(self.root)
+        if foreign:
+            LOG.warning(
+                "Left %s out of %s: the journal found there names %s its staging "
+                "no longer holds as staged (a copy or a clone?).",
+                ", ".join(foreign),
+                self.shown,
+                "a file" if len(foreign) == 1 else "files",
+            )
         if kept:
             LOG.warning(
                 "Kept %s in %s: changed while the merge was published, so the "
