@@ -65,6 +65,29 @@ def test_inside_allowed_raises_at_once_and_pending_ones_on_entry():
     assert not reached
 
 
+@pytest.mark.parametrize("library", ["replaces", "drops"])
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_an_interruption_native_code_replaced_or_dropped_still_ends_the_block(
+    library, sent
+):
+    """safetensors' reader, interrupted inside, turned the handler's exception
+    into a ValueError (or could drop it): the block still ends as the signal."""
+    wanted = KeyboardInterrupt if sent == signal.SIGINT else Interrupted
+    with pytest.raises(wanted) as caught:
+        with interruptions() as signals:
+            with signals.allowed():
+                try:
+                    os.kill(os.getpid(), sent)
+                except BaseException as error:
+                    if library == "replaces":
+                        raise ValueError("could not determine the shape") from error
+    if sent != signal.SIGINT:
+        assert caught.value.code == 128 + sent
+    assert signal_name(caught.value) == (
+        "Ctrl-C" if sent == signal.SIGINT else signal.Signals(sent).name
+    )
+
+
 def test_ignored_signals_stay_ignored_and_threads_are_left_alone():
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

@@ -391,6 +391,7 @@ def hostile_manifests(out: Path) -> dict[str, object]:
         "malformed",
         "not a dict",
         "garbage",
+        "nested too deep",
         "a symlink",
         "huge",
     ],
@@ -405,6 +406,8 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
         path.write_text(json.dumps({**document, **documents[hostile]}))
     elif hostile == "garbage":
         path.write_bytes(b"\x00{not json")
+    elif hostile == "nested too deep":  # json's parser recurses
+        path.write_text("[" * 100_000 + "]" * 100_000)
     elif hostile == "a symlink":
         (tmp_path / "theirs.json").write_text(json.dumps({"files": {}}))
         os.symlink(tmp_path / "theirs.json", path)
@@ -419,8 +422,11 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
     assert ours_left(previous) == []
 
 
-def test_a_journal_that_is_not_ours_is_refused_and_nothing_changes(previous):
-    (previous / STATE / JOURNAL).write_text('{"format": "something else"}')
+@pytest.mark.parametrize(
+    "journal", ['{"format": "something else"}', "[" * 100_000 + "]" * 100_000]
+)
+def test_a_journal_that_is_not_ours_is_refused_and_nothing_changes(previous, journal):
+    (previous / STATE / JOURNAL).write_text(journal)
     before = tree(previous)
     with pytest.raises(OutputError, match="not a publishing journal"):
         staged_merge(str(previous), writer(NEW))
@@ -478,7 +484,7 @@ def test_a_journal_over_linked_staging_moves_nothing_in(previous, tmp_path, link
     journal = Journal(".ssh", (("id_rsa", None),), (), {"id_rsa": identity})
     (previous / STATE / JOURNAL).write_text(json.dumps(journal.document()))
     before = tree(previous)
-    with pytest.raises(OutputError, match="staging folder is a link"):
+    with pytest.raises(OutputError, match="is a link, not a folder"):
         staged_merge(str(previous), writer(NEW))
     assert tree(previous) == before
     (previous / STATE / JOURNAL).unlink()
@@ -486,6 +492,45 @@ def test_a_journal_over_linked_staging_moves_nothing_in(previous, tmp_path, link
     assert (home / "id_rsa").read_text() == "secret"
     assert not (previous / "id_rsa").exists()
     assert ours_left(previous) == []
+
+
+@pytest.mark.skipif(not output_folder.PINNED, reason="no folder descriptors here")
+def test_a_link_swapped_in_after_a_check_is_never_walked(tmp_path, monkeypatch):
+    """Another process swaps a staging folder for a link to the user's files
+    right after the walk looked at it: the walk goes on in the folder it
+    opened, and removes the link as a link."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "private.txt").write_text("theirs")
+    staging = tmp_path / "staged"
+    (staging / "x").mkdir(parents=True)
+    (staging / "x" / "ours.bin").write_text("ours")
+    real_fstat = os.fstat
+    swapped = []
+    inner = os.lstat(staging / "x").st_ino
+
+    def swap_after_the_check(descriptor):
+        found = real_fstat(descriptor)
+        if not swapped and found.st_ino == inner:  # x is open: swap it now
+            os.rename(staging / "x", tmp_path / "moved-away")
+            os.symlink(victim, staging / "x")
+            swapped.append(True)
+        return found
+
+    monkeypatch.setattr(output_folder.os, "fstat", swap_after_the_check)
+    output_folder._remove_tree(str(staging), os.lstat(staging).st_dev)
+    assert swapped and (victim / "private.txt").read_text() == "theirs"
+    assert not staging.exists()
+    assert not (tmp_path / "moved-away" / "ours.bin").exists()  # walked as opened
+
+
+def test_another_users_state_folder_is_refused(previous, monkeypatch):
+    """Whoever owns OUT/.mergekit-ram could swap what a merge stages there."""
+    monkeypatch.setattr(output_folder.os, "geteuid", lambda: os.getuid() + 4242)
+    before = tree(previous)
+    with pytest.raises(OutputError, match="belongs to another user"):
+        staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == before
 
 
 def test_a_journal_moves_only_files_exactly_as_staged(previous, caplog):
@@ -890,9 +935,17 @@ def test_tmpfs_read_only_and_full(tmpfs, tmp_path):
     def huge(staged: str) -> None:
         Path(staged, "model.safetensors").write_bytes(b"\0" * 1_000_000)
 
-    with pytest.raises(OutputError, match="The disk is full"):
-        staged_merge(str(out), huge)
-    assert tree(out) == before and ours_left(out) == []
+    def huge_tensors(staged: str) -> None:
+        """mergekit's writer: safetensors says a full disk in words only."""
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.zeros(250_000)}, str(Path(staged, "model.safetensors")))
+
+    for write in (huge, huge_tensors):
+        with pytest.raises(OutputError, match="The disk is full"):
+            staged_merge(str(out), write)
+        assert tree(out) == before and ours_left(out) == []
 
 
 @pytest.fixture

@@ -55,26 +55,42 @@ class Interruptions:
     def __init__(self) -> None:
         self.interruptible = False
         self.pending: int | None = None
+        self.raised: int | None = None
         self.finished = "the run stops here."
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.interruptible:
             self.interruptible = False
+            self.raised = signum
             raise _interruption(signum)
         if self.pending is None:
             self.pending = signum
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
-        """A block that these signals interrupt at once (pending ones too)."""
+        """A block that these signals interrupt at once (pending ones too).
+
+        Native code the handler raised inside (safetensors' reader) may
+        replace the interruption with an error of its own, or drop it: the
+        signal still ends the block as itself.
+        """
         if self.pending is not None:
             signum, self.pending = self.pending, None
             raise _interruption(signum)
         self.interruptible = True
+        self.raised = None
         try:
             yield
+        except BaseException as error:
+            if self.raised is None or isinstance(
+                error, (KeyboardInterrupt, Interrupted)
+            ):
+                raise
+            raise _interruption(self.raised) from error
         finally:
             self.interruptible = False
+        if self.raised is not None:
+            raise _interruption(self.raised)
 
 
 @contextmanager

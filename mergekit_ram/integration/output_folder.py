@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from filelock import FileLock, Timeout
 
@@ -61,6 +62,12 @@ STATE_LIMIT = 16 << 20  # bytes: a journal or manifest of ours is far smaller
 MERGE_SIGNS = ("mergekit_config.yml", "ram_statistics.json")
 MODEL_CONFIG = "config.json"  # what makes a folder load as a model
 NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+# Where the OS opens a folder without following a link and moves files out of
+# an open one, our staging is walked and published through open folders.
+PINNED = hasattr(os, "O_DIRECTORY") and {os.open, os.rename} <= os.supports_dir_fd
+FOLDER_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+)
 # (kind, size, mtime_ns): what a file of OUT was when it was recorded.
 Identity = tuple[str, int, int]
 KINDS = (
@@ -183,10 +190,11 @@ def _write_durably(path: str, document: dict) -> None:
     _fsync(os.path.dirname(path))
 
 
-def _identity(path: str) -> Identity | None:
-    """What the entry at path is, never following a symlink (None: absent)."""
+def _identity(path: str, folder: int | None = None) -> Identity | None:
+    """What the entry at path (in the open `folder`) is, never following a
+    symlink (None: absent)."""
     try:
-        found = os.lstat(path)
+        found = os.lstat(path, dir_fd=folder)
     except FileNotFoundError:
         return None
     kind = next((k for test, k in KINDS if test(found.st_mode)), "other")
@@ -212,21 +220,44 @@ def _valid_identity(value: object) -> bool:
     )
 
 
-def _remove_tree(path: str, device: int) -> None:
-    """Remove our staging at path: links themselves, never their targets;
-    a folder on another device (a mount) is left alone and refused."""
-    found = os.lstat(path)
-    if not stat.S_ISDIR(found.st_mode):
-        os.unlink(path)
-        return
-    if found.st_dev != device:
-        raise OutputError(
-            f"{path} is a mount point inside the merge's staging folder; it "
-            "was left alone. Unmount it, then run the merge again."
-        )
-    for name in os.listdir(path):
-        _remove_tree(os.path.join(path, name), device)
-    os.rmdir(path)
+def _remove_tree(path: str, device: int, folder: int | None = None) -> None:
+    """Remove our staging at path (in the open `folder`): links themselves,
+    never their targets; a folder on another device (a mount) is left alone
+    and refused. Where the OS can, folders are opened without following
+    links and walked by descriptor: a link swapped in meanwhile is removed
+    as a link, never walked into."""
+    if PINNED:
+        try:
+            inner: int | str = os.open(path, FOLDER_FLAGS, dir_fd=folder)
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            os.unlink(path, dir_fd=folder)  # a file or a link: itself
+            return
+        found = os.fstat(inner)
+    else:
+        found, inner = os.lstat(path), path
+        if not stat.S_ISDIR(found.st_mode):
+            os.unlink(path)
+            return
+    try:
+        if found.st_dev != device:
+            raise OutputError(
+                f"{path} is a mount point inside the merge's staging folder; "
+                "it was left alone. Unmount it, then run the merge again."
+            )
+        for name in os.listdir(inner):
+            if PINNED:
+                _remove_tree(name, device, inner)
+            else:
+                _remove_tree(os.path.join(path, name), device)
+    finally:
+        if PINNED:
+            os.close(inner)
+    try:
+        os.rmdir(path, dir_fd=folder)
+    except NotADirectoryError:
+        os.unlink(path, dir_fd=folder)  # swapped for a link meanwhile
 
 
 def _may_replace(folder: os.stat_result, entry: os.stat_result) -> bool:
@@ -253,7 +284,7 @@ def _read_state(path: str) -> dict | None:
         handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(handle, "rb") as reader:
             document = json.loads(reader.read(STATE_LIMIT + 1))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
         return None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         return None
@@ -316,6 +347,24 @@ class Journal:
         return cls(folder, tuple(moves), tuple(removals), manifest)
 
 
+class Staged(NamedTuple):
+    """A staging folder: held open (`descriptor`), or by path where it cannot be."""
+
+    path: str
+    descriptor: int | None
+
+    def identity(self, name: str) -> Identity | None:
+        if self.descriptor is None:
+            return _identity(os.path.join(self.path, name))
+        return _identity(name, self.descriptor)
+
+    def move(self, name: str, to: str) -> None:
+        if self.descriptor is None:
+            os.replace(os.path.join(self.path, name), to)
+        else:
+            os.replace(name, to, src_dir_fd=self.descriptor)
+
+
 @dataclass(frozen=True)
 class OutputState:
     """OUT and our folder inside it, for one run that holds OUT's lock."""
@@ -346,40 +395,56 @@ class OutputState:
                     "or another version); nothing was changed",
                     "If no merge is running into it, delete that file and run again.",
                 )
-            if not self._staging_is_ours(journal):
-                raise _refuse(
-                    self.shown,
-                    f"holds {journal_path}, whose staging folder is a link, not "
-                    "a folder, or on another file system: it was not left by a "
-                    "merge into this folder (it may come from a copy or a "
-                    "clone); nothing was changed",
-                    "If no merge is running into it, delete that file and run again.",
-                )
             self._finish(journal, "an earlier run's publish")
         self.discard()
 
-    def _staging_is_ours(self, journal: Journal) -> bool:
-        """Whether the journal's staging is plain folders of OUT's file system
-        (a link there would move files from elsewhere into OUT); absent parts
-        hold nothing to move."""
+    @contextmanager
+    def _staged_folder(self, journal: Journal) -> Iterator[Staged | None]:
+        """The journal's staging folder, opened without following a link and
+        held open while its files move, so that a link swapped in meanwhile
+        cannot redirect a move (by path where the OS cannot pin a folder);
+        None when absent. A link, a non-folder or another file system there
+        is refused before anything moves: a clone could ship one."""
         device = os.lstat(self.root).st_dev
-        staging = self.path(STAGED)
-        for path in (staging, os.path.join(staging, journal.folder)):
-            try:
-                found = os.lstat(path)
-            except FileNotFoundError:
-                return True
-            if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
-                return False
-        return True
+        path = os.path.join(self.path(STAGED), journal.folder)
+        descriptor = None
+        try:
+            for part, whole in ((self.path(STAGED),) * 2, (journal.folder, path)):
+                if PINNED:
+                    opened = os.open(part, FOLDER_FLAGS, dir_fd=descriptor)
+                    if descriptor is not None:
+                        os.close(descriptor)
+                    descriptor = opened
+                found = os.fstat(descriptor) if PINNED else os.lstat(whole)
+                if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
+                    raise NotADirectoryError(errno.ENOTDIR, "not ours", whole)
+        except FileNotFoundError:
+            yield None
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise _refuse(
+                self.shown,
+                f"holds a publishing journal whose staging, {path}, is a link, "
+                "not a folder, or on another file system: it was not left by a "
+                "merge into this folder (it may come from a copy or a clone); "
+                "nothing was changed",
+                f"If no merge is running into it, delete {self.path(JOURNAL)} "
+                "and run again.",
+            ) from None
+        else:
+            yield Staged(path, descriptor)
+        finally:
+            if descriptor is not None:
+                os.close(descriptor)
 
     def staging(self) -> str:
         """A fresh folder for mergekit to write the merge into; its last name
         is OUT's, since the model card is named after it."""
-        os.mkdir(self.path(STAGED))
+        os.mkdir(self.path(STAGED), 0o755)  # nobody else may swap entries in it
         folder = os.path.basename(self.target)
         folder = folder if _plain(folder) else "merged"  # `/`, or OUT named like ours
-        os.mkdir(os.path.join(self.path(STAGED), folder))
+        os.mkdir(os.path.join(self.path(STAGED), folder), 0o755)
         return os.path.join(self.path(STAGED), folder)
 
     def plan(self, staged: str) -> Journal:
@@ -490,31 +555,32 @@ class OutputState:
         merge's file for it dropped), with a warning naming it. Likewise a
         staged file moves only while it is exactly what was staged.
         """
-        staged = os.path.join(self.path(STAGED), journal.folder)
         ordered = sorted(journal.moves, key=lambda move: move[0] == MODEL_CONFIG)
-
-        def as_staged(name: str) -> Identity | None:
-            """The staged file's identity, or None: moved in already, or absent."""
-            return _identity(os.path.join(staged, name))
-
-        for name, replaces in ordered:
-            if name == MODEL_CONFIG and as_staged(name) == journal.manifest.get(name):
-                if replaces is not None and _identity(self.out(name)) == replaces:
-                    os.unlink(self.out(name))  # no longer a model until the end
-        for name, identity in journal.removals:
-            if _identity(self.out(name)) == identity:
-                os.unlink(self.out(name))
         kept, foreign = [], []
-        for name, replaces in ordered:
-            staged_as = as_staged(name)
-            if staged_as is None:
-                continue  # moved in by an earlier run of this journal
-            if staged_as != journal.manifest.get(name):
-                foreign.append(name)  # not the file this publish staged
-            elif _identity(self.out(name)) in (None, replaces):
-                os.replace(os.path.join(staged, name), self.out(name))
-            else:
-                kept.append(name)
+        with self._staged_folder(journal) as staged:
+
+            def as_staged(name: str) -> Identity | None:
+                """The staged file's identity; None: moved in already, or absent."""
+                return None if staged is None else staged.identity(name)
+
+            # config.json out first: OUT does not load as a model until the end.
+            replaced = dict(journal.moves).get(MODEL_CONFIG)
+            if replaced is not None and _identity(self.out(MODEL_CONFIG)) == replaced:
+                if as_staged(MODEL_CONFIG) == journal.manifest.get(MODEL_CONFIG):
+                    os.unlink(self.out(MODEL_CONFIG))
+            for name, identity in journal.removals:
+                if _identity(self.out(name)) == identity:
+                    os.unlink(self.out(name))
+            for name, replaces in ordered:
+                staged_as = as_staged(name)
+                if staged_as is None:
+                    continue  # moved in by an earlier run of this journal
+                if staged_as != journal.manifest.get(name):
+                    foreign.append(name)  # not the file this publish staged
+                elif _identity(self.out(name)) in (None, replaces):
+                    staged.move(name, self.out(name))
+                else:
+                    kept.append(name)
         _fsync(self.target)
         manifest = {
             n: i for n, i in journal.manifest.items() if n not in kept + foreign
@@ -585,9 +651,20 @@ def locked(target: str, shown: str | None = None) -> Iterator[OutputState]:
                 f"holds {path}, which is a {found[0]}, not {what}",
                 "Remove it (nothing of a merge is in it), then run again.",
             )
+    if existing is not None and hasattr(os, "geteuid"):
+        owner = os.lstat(state.root).st_uid
+        if owner != os.geteuid():
+            raise _refuse(
+                state.shown,
+                f"holds {state.root}, which belongs to another user (uid "
+                f"{owner}), who could redirect what this merge stages there",
+                "Merge as that user, or, if no merge is running into it, "
+                "remove that folder (it holds no part of a published merge) "
+                "and run again.",
+            )
     try:
         if existing is None:
-            os.mkdir(state.root)
+            os.mkdir(state.root, 0o755)
         lock = FileLock(state.path(LOCK), mode=0o644, blocking=False)
         lock.acquire()
     except Timeout as error:  # an OSError too: first
@@ -625,10 +702,23 @@ def _missing_folders(path: str) -> list[str]:
     return missing
 
 
-def _no_space(error: OSError, out: str) -> OutputError:
+def _out_of_space(error: Exception) -> bool:
+    """A full disk or quota, from the OS or from a writer that says it in
+    words only (safetensors' SafetensorError); never one of our own errors,
+    which already say where OUT stands."""
+    if isinstance(error, OutputError):
+        return False
+    if isinstance(error, OSError):
+        return error.errno in NO_SPACE
+    return any(os.strerror(code) in str(error) for code in NO_SPACE)
+
+
+def _no_space(error: Exception, out: str) -> OutputError:
+    where = getattr(error, "filename", None)
     return OutputError(
-        f"The disk is full: writing the merge for {out} failed ({error.strerror}"
-        f"{', ' + error.filename if error.filename else ''}). The output folder is "
+        f"The disk is full: writing the merge for {out} failed "
+        f"({getattr(error, 'strerror', None) or os.strerror(errno.ENOSPC)}"
+        f"{', ' + where if where else ''}). The output folder is "
         "as it was; free space on that file system (the merge needs about the "
         "size of one model in the output folder) or choose another folder."
     )
@@ -675,8 +765,8 @@ def staged_merge(
                     signals.finished = (
                         f"{out_path} holds the new merge; the run stops here."
                     )
-                except OSError as error:
-                    if error.errno in NO_SPACE:
+                except Exception as error:
+                    if _out_of_space(error):
                         raise _no_space(error, out_path) from error
                     raise
                 finally:
