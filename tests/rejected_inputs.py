@@ -317,6 +317,33 @@ CASES: tuple[Case, ...] = (
         lambda ws: {**ws.config(parameters={"r": -1}), "dtyp": "bfloat16"},
         ("has 2 problems", "Did you mean 'dtype'?", "parameters.r: -1 is negative"),
     ),
+    Case(
+        "two-mistakes-and-a-misspelled-method",
+        "`merge_method: rammplus` and a negative `r` in one file",
+        lambda ws: ws.config(merge_method="rammplus", parameters={"r": -1}),
+        ("has 2 problems", "Did you mean 'ramplus'?", "parameters.r: -1 is negative"),
+    ),
+    Case(
+        "yaml-duplicate-key",
+        "a key written twice (`parameters:` twice at the top level)",
+        lambda ws: (
+            yaml.safe_dump(ws.config(parameters={"r": 0.5}), sort_keys=False)
+            + "parameters: {alpha: 1.0}\n"
+        ),
+        ("the key 'parameters' is written twice", "Write it once"),
+    ),
+    Case(
+        "yaml-control-character",
+        "a control character in the file",
+        lambda ws: "merge_method: ramplus\x08\n",
+        ("control character '\\x08'", "Remove it"),
+    ),
+    Case(
+        "yaml-method-not-text",
+        "`merge_method: [ramplus]` (a list)",
+        lambda ws: ws.config(merge_method=["ramplus"]),
+        ("merge_method", "valid string"),
+    ),
     *(
         Case(
             f"method-{slug}",
@@ -332,6 +359,23 @@ CASES: tuple[Case, ...] = (
         )
     ),
     # ---- which models are merged
+    Case(
+        "slice-base-differs",
+        "a slice's own `base_model:`, another model than the configuration's",
+        lambda ws: {
+            **ws.config(models=None),
+            "slices": [
+                {
+                    "sources": [
+                        {"model": ws.family.paths[name], "layer_range": [0, 2]}
+                        for name in ("base", *ws.family.tasks)
+                    ],
+                    "base_model": ws.family.paths["alpha"],
+                }
+            ],
+        },
+        ("slices[0]: its base model", "remove that slice's base_model"),
+    ),
     Case(
         "no-base",
         "no `base_model:`",

@@ -242,6 +242,24 @@ def test_a_binary_config_file_is_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_analyze_hints_name_analyze(tmp_path):
+    """The order hint and the empty-path hint speak of the command typed."""
+    config = tmp_path / "c.yml"
+    config.write_bytes("merge_method: ram".encode("utf-16"))
+    result = CliRunner().invoke(main, ["analyze", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "mergekit-ram analyze CONFIG_FILE [--out DIR]" in result.output
+    assert "mergekit-ram merge" not in result.output
+
+
+def test_an_empty_r_value_is_refused():
+    from mergekit_ram.commands.merge_cli import parse_r_values
+
+    for bad in ("0,,0.1", "0.1,"):
+        with pytest.raises(ValueError, match="an empty value"):
+            parse_r_values(bad)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
 @pytest.mark.parametrize(
     "flag, says",

@@ -148,6 +148,16 @@ def test_demo_refuses_a_file(tmp_path):
     assert target.read_text() == "mine"
 
 
+def test_demo_under_a_file_is_one_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    target = tmp_path / "notes.txt" / "demo"
+    result = CliRunner().invoke(main, ["demo", "--out", str(target)])
+    assert result.exit_code == 2, result.output
+    assert "cannot be created (Not a directory)" in result.output
+    assert "Traceback" not in result.output
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_demo_writes_into_a_folder_with_other_files(tmp_path):
     """Like `--out .` in the repository: other files stay; the demo adds only
     its three entries."""

@@ -119,6 +119,22 @@ def test_stock_mergekit_yaml_exits_2_without_traceback(family_f32, tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_stock_mergekit_yaml_refuses_a_key_written_twice(family_f32, tmp_path):
+    """mergekit-yaml's safe_load keeps the last `parameters:`; the wrapper
+    reads the text it was given again and refuses the repeat."""
+    from mergekit.scripts.run_yaml import main as mergekit_yaml
+
+    mergekit_ram.install()
+    path = tmp_path / "twice.yml"
+    text = family_f32.yaml("ramplus", parameters={"r": 0.5})
+    path.write_text(text + "parameters: {alpha: 1.0}\n")
+    with no_weight_reads():
+        result = CliRunner().invoke(mergekit_yaml, [str(path), str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "the key 'parameters' is written twice" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
 def test_plan_time_check_is_a_ram_input_error():
     """The planner's backstop raises the same message as config time."""
     values = dict(epsilon=1e-5, r=0.1, alpha=2.0, saturation="clip")
@@ -297,7 +313,7 @@ def test_stock_mergekit_yaml_refuses_the_same_mistakes(case, outcomes, workspace
     from mergekit.scripts.run_yaml import main as mergekit_yaml
 
     mergekit_ram.install()
-    assert len(DROPPED) == 9
+    assert len(DROPPED) == 10
     config = workspace.root / f"{case.id}.yml"  # written by the outcomes run
     out = workspace.root / f"stock-{case.id}"
     previous = os.getcwd()

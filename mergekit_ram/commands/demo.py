@@ -99,7 +99,14 @@ def run_demo(out_dir: str | None = None) -> str:
     transformers_logging.disable_progress_bar()
     root = out_dir or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
     check_out_dir(root)
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as error:
+        raise RAMInputError(
+            f"mergekit-ram demo --out {root}: the folder cannot be created "
+            f"({error.strerror}). Choose a folder where you may create files; "
+            "nothing was written."
+        ) from None
     started = time.perf_counter()
     print(f"Building a tiny base model and three RL-like agents in {root} ...")
     paths = build_models(os.path.join(root, MODELS), PAPER_LIKE)

@@ -23,7 +23,11 @@ from mergekit_ram.commands.cli import COMMANDS, keep_help
 from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.validation import key_problems
+from mergekit_ram.integration.validation import (
+    DuplicateKey,
+    UniqueKeyLoader,
+    key_problems,
+)
 
 
 class _Command(PrettyPrintHelp):
@@ -41,14 +45,15 @@ PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
 
 
 def _load(
-    config_file: str, out_path: str | None = None
+    config_file: str, out_path: str | None = None, command: str = "merge"
 ) -> tuple[MergeConfiguration, str, Any]:
     """The configuration, its text and the document as written; a
     CONFIG_FILE that is no YAML text (swapped with OUT_PATH, a folder,
     binary), bad YAML or schema is a RAMInputError."""
-    source = _read_text(config_file, out_path)
-    loader = yaml.SafeLoader(source)
+    source = _read_text(config_file, out_path, command)
+    loader = None
     try:
+        loader = UniqueKeyLoader(source)  # reads every character first
         node = loader.get_single_node()
         if node is not None and _expanded_size(node, {}) > VALUE_LIMIT:
             raise RAMInputError(
@@ -61,7 +66,8 @@ def _load(
     except yaml.YAMLError as error:
         raise RAMInputError(_yaml_problem(config_file, error)) from error
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     try:
         return MergeConfiguration.model_validate(document), source, document
     except ValidationError as error:
@@ -80,10 +86,12 @@ def _load(
     raise problems.error()
 
 
-def _read_text(config_file: str, out_path: str | None) -> str:
+def _read_text(config_file: str, out_path: str | None, command: str) -> str:
     """CONFIG_FILE's text. The usual mistake is the arguments swapped
     (`merge ./merged config.yml`): say which is which."""
-    usage = "The order is: mergekit-ram merge CONFIG_FILE OUT_PATH."
+    usage = f"The order is: mergekit-ram {command} CONFIG_FILE" + (
+        " OUT_PATH." if command == "merge" else " [--out DIR]."
+    )
     swapped = (
         out_path is not None
         and os.path.isfile(out_path)
@@ -142,6 +150,15 @@ def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
         "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
     )
     problem = getattr(error, "problem", None) or str(error)
+    if isinstance(error, DuplicateKey):
+        return f"{config_file}{where}: {problem}."
+    if isinstance(error, yaml.reader.ReaderError):
+        return (
+            f"{config_file} is not valid YAML: it holds the control character "
+            f"{chr(error.character)!r} (character {error.position + 1}), which "
+            "YAML does not allow. Is it a binary file, or was a control "
+            "character pasted in? Remove it."
+        )
     return (
         f"{config_file} is not valid YAML{where}: {problem}. Fix the syntax there "
         "(indentation, a missing ':' or an unquoted special character)."
@@ -341,7 +358,7 @@ def analyze(
             raise click.BadParameter(str(error), param_hint="--r") from error
     install()
     merge_options.apply_global_options()
-    config, _source, document = _load(config_file)
+    config, _source, document = _load(config_file, command="analyze")
     _refuse_report_folder(config, out_dir)
     validate_analysis(config, merge_options, document)
     try:
@@ -361,7 +378,9 @@ def parse_r_values(text: str) -> list[float]:
     for part in text.split(","):
         part = part.strip()
         if not part:
-            continue
+            raise ValueError(
+                f"an empty value in {text!r}: separate r values by one comma"
+            )
         value = float(part)
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"r must be a finite number ≥ 0, got {part!r}")

@@ -167,6 +167,22 @@ def check_group(group: Group, user: str) -> None:
         )
 
 
+def check_one_base(base: ModelReference | None, found: list[Group], user: str) -> None:
+    """Every group measured against the configuration's one base model:
+    RAM's task vectors, its statistics, the report and the card all name one
+    (a slice's own `base_model` would merge that slice against another)."""
+    named = [("base_model", base)] if base is not None else []
+    named += [(group.label, group.base) for group in found if group.base is not None]
+    for label, other in named[1:]:
+        if other != named[0][1]:
+            raise RAMInputError(
+                f"{label}: its base model {other} differs from {named[0][1]}, "
+                f"the {named[0][0]}. {user} measures every task vector against "
+                "one base model, the one the task models were fine-tuned from: "
+                "remove that slice's base_model, or make it the same."
+            )
+
+
 def _spelled(reference: ModelReference) -> str:
     """A reference's path, with its LoRA (a different model when it has one)."""
     lora = "" if reference.lora is None else f"+{identity(reference.lora.path)}"

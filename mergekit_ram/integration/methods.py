@@ -274,8 +274,8 @@ ramplus = RAMMerge(_spec("ramplus", "Reinforced Agent Merging Plus (RAM+)", 0.1)
 METHODS = (ram, ramplus)
 
 
-def is_ours(name: str) -> bool:
-    return name in {method.spec.name for method in METHODS}
+def is_ours(name: object) -> bool:
+    return isinstance(name, str) and name in {m.spec.name for m in METHODS}
 
 
 # --- the planned merge task --------------------------------------------------

@@ -117,8 +117,8 @@ def resolve_output(out: str, role: str = "output folder") -> str:
     """
     if not out:
         raise OutputError(
-            f"The {role} path is empty (an unset variable in `mergekit-yaml "
-            f'config.yml "$OUT"`?). Name the folder to write into.'
+            f'The {role} path is empty (an unset shell variable, as in "$OUT"?). '
+            "Name the folder to write into."
         )
     path = os.path.abspath(out)
     ancestor, rest = path, []

@@ -24,7 +24,12 @@ from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.errors import ClickInputError
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.output_folder import staged_merge
-from mergekit_ram.integration.validation import method_problem, validate_config
+from mergekit_ram.integration.validation import (
+    DuplicateKey,
+    method_problem,
+    validate_config,
+    written_document,
+)
 
 
 def _inputs(config: Any) -> Iterator[tuple[str, str]]:
@@ -57,7 +62,9 @@ def written(config_source: str | None) -> Any:
     """The configuration as the user wrote it (its keys are checked: mergekit
     drops the ones it does not read), where the caller passed its text."""
     try:
-        return None if config_source is None else yaml.safe_load(config_source)
+        return None if config_source is None else written_document(config_source)
+    except DuplicateKey as error:
+        raise RAMInputError(f"The configuration: {error.problem}.") from None
     except yaml.YAMLError:
         return None  # mergekit parsed it already; nothing more to learn here
 
@@ -73,6 +80,10 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         problem = method_problem(merge_config.merge_method)
         if problem is not None:  # mergekit would stop with a traceback
+            try:  # a misspelling of ours: with every other problem of the file
+                validate_config(merge_config, options, written(config_source))
+            except RAMInputError as error:
+                raise ClickInputError(str(error)) from error
             raise ClickInputError(problem)
         if not is_ours(merge_config.merge_method):
             return original(

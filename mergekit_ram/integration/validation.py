@@ -21,6 +21,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+import yaml
 from mergekit.common import ModelReference
 from mergekit.config import ConditionalParameter, MergeConfiguration
 from mergekit.merge_methods import registry
@@ -29,7 +30,7 @@ from pydantic import BaseModel
 
 from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.integration.compute_options import check_device, check_dtypes
-from mergekit_ram.integration.config_groups import check_group, groups
+from mergekit_ram.integration.config_groups import check_group, check_one_base, groups
 from mergekit_ram.integration.methods import METHODS, is_ours
 from mergekit_ram.integration.model_locations import (
     check_headers,
@@ -57,11 +58,9 @@ def validate_config(
     RAMInputError listing every problem, each naming the key or model and
     the fix.
     """
-    problem = method_problem(config.merge_method)
-    if problem is not None:
-        raise RAMInputError(problem)
-    if is_ours(config.merge_method):
-        _validate(config, options, f"merge_method {config.merge_method}", document)
+    problem, method = _method(config.merge_method)
+    if is_ours(method):
+        _validate(config, options, f"merge_method {method}", document, method, problem)
 
 
 def validate_analysis(
@@ -75,10 +74,22 @@ def validate_analysis(
     keys are only checked for our methods, whose r / alpha / saturation
     analyze uses; a method mergekit does not know is refused.
     """
-    problem = method_problem(config.merge_method)
-    if problem is not None:
+    problem, method = _method(config.merge_method)
+    _validate(config, options, "mergekit-ram analyze", document, method, problem)
+
+
+def _method(method: Any) -> tuple[str | None, str]:
+    """(why mergekit would not know `merge_method`, the method to check the
+    rest of the file as): a misspelling of ours is checked as the method it
+    means, so its problem is reported with every other one; any other
+    unknown name is refused alone."""
+    problem = method_problem(method)
+    if problem is None:
+        return None, method
+    meant = _closest(str(method), [m.spec.name for m in METHODS])
+    if meant is None or _closest(str(method), _known_methods()) != meant:
         raise RAMInputError(problem)
-    _validate(config, options, "mergekit-ram analyze", document)
+    return problem, meant
 
 
 def _validate(
@@ -86,13 +97,17 @@ def _validate(
     options: MergeOptions | None,
     user: str,
     document: Any,
+    method_name: str,
+    method_error: str | None,
 ) -> None:
     """Every check, each problem kept: the user fixes them all in one go.
     The headers are read only once the rest is right (they need the models)."""
     problems = Problems("The configuration")
-    ours = is_ours(config.merge_method)
+    if method_error is not None:
+        problems.add(method_error)
+    ours = is_ours(method_name)
     if ours and document is not None:
-        for problem in key_problems(document, config.merge_method):
+        for problem in key_problems(document, method_name):
             problems.add(problem)
     with problems.check():
         check_device(options)
@@ -100,6 +115,8 @@ def _validate(
     for group in found:
         with problems.check():
             check_group(group, user)
+    with problems.check():
+        check_one_base(config.base_model, found, user)
     cache_dir = options.transformers_cache if options is not None else None
     for role, reference in model_references(config, found):
         with problems.check():
@@ -117,7 +134,7 @@ def _validate(
     if ours:
         with problems.check():
             check_dtypes(config)
-        method = next(m for m in METHODS if m.spec.name == config.merge_method)
+        method = next(m for m in METHODS if m.spec.name == method_name)
         check_parameters(found, method, problems)
         if not problems.found:
             with problems.check():
@@ -129,6 +146,46 @@ def _validate(
 
 
 # --- keys mergekit would silently ignore, and method names it does not know -----
+
+
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A key written twice in one YAML mapping."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML as mergekit reads it (safe_load), except that a key written twice
+    in one mapping is an error: safe_load keeps the last without a word, so
+    the first value would be shown in the card but never used."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(
+                ":merge"
+            ):
+                continue  # `<<: *alias` may override keys; those are not repeats
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise DuplicateKey(
+                    None,
+                    None,
+                    f"the key {key!r} is written twice in one mapping (first at "
+                    f"line {seen[key].line + 1}); YAML keeps only the last, so "
+                    "the first value would be shown but never used. Write it once",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def written_document(text: str) -> Any:
+    """The configuration's YAML as written, keys checked for repeats
+    (DuplicateKey); any other YAML error is the caller's to report."""
+    loader = UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def key_problems(document: Any, method: str) -> list[str]:
@@ -217,12 +274,16 @@ def _fold(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name.lower().replace("+", "plus"))
 
 
+def _known_methods() -> list[str]:
+    return sorted(m.spec.name for m in registry.registered_methods())
+
+
 def method_problem(method: Any) -> str | None:
     """Why mergekit would fail on `merge_method` (None: it knows the method).
 
     mergekit looks the name up only while planning and stops with a
     traceback; a name close to one it knows gets a suggestion."""
-    known = sorted(m.spec.name for m in registry.registered_methods())
+    known = _known_methods()
     if method in known:
         return None
     close = _closest(str(method), known)
