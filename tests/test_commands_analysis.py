@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -954,3 +955,49 @@ def test_unique_share_notes_name_only_the_tasks_far_from_expected():
         "change.",
     ]
     assert unique_share_notes([task("a", 0.19, 0.188), task("d", None, None)]) == []
+
+
+def test_verdict_when_agents_change_nothing(models, tmp_path):
+    """`analyze --epsilon` above every change (the demo with --epsilon 100):
+    the verdict says RAM returns the base model, where it said RAM "adds that
+    task vector whole"; a copy of the base among the agents is named as
+    changing nothing."""
+    root, paths = models
+    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
+    out = tmp_path / "above"
+    output = invoke("analyze", config, "--epsilon", 100, "--out", out, "--quiet")
+    verdict = read(out / REPORT_JSON)["verdict"]
+    assert verdict["sentence"].startswith(
+        "no task model changes any element above epsilon (100), so there is "
+        "nothing to merge and RAM returns the base model; if epsilon is larger "
+        "than the fine-tuning's changes, lower `epsilon`"
+    )
+    assert verdict["supports"] is None and verdict["diluted"] == []
+    assert f"Verdict: {verdict['sentence']}" in flat(output)
+    copy = root / "base-copy"
+    if not copy.exists():
+        shutil.copytree(paths["base"], copy)
+    config = write_config(root, {**paths, "copy": str(copy)}, "ramplus", r=0.1)
+    out = tmp_path / "copy"
+    invoke("analyze", config, "--out", out, "--quiet")
+    report = read(out / REPORT_JSON)
+    label = {t["model"]: t["label"] for t in report["tasks"]}[str(copy)]
+    sentence = report["verdict"]["sentence"]
+    assert (
+        f"; {label} changes nothing above epsilon (1e-05) and adds nothing" in sentence
+    )
+    assert str(copy) not in report["verdict"]["diluted"]
+
+
+def test_the_verdict_does_not_advise_the_shared_mode_in_use(model_family, tmp_path):
+    """The independent case is told to try `shared: ties`
+    (test_verdict_says_which_case_and_which_agent); the same agents merged
+    with `shared: ties` are told it is in use."""
+    family = model_family("verdict-independent", CASES["independent"])
+    config = tmp_path / "ties.yml"
+    config.write_text(family.yaml("ramplus", parameters={"shared": "ties"}))
+    invoke("analyze", config, "--out", tmp_path / "report", "--quiet")
+    sentence = read(tmp_path / "report" / REPORT_JSON)["verdict"]["sentence"]
+    assert "RAM would dilute coder" in sentence
+    assert "try `shared: ties`" not in sentence
+    assert "already uses `shared: ties`" in sentence

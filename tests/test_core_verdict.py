@@ -58,14 +58,23 @@ def test_unique_share_departure_on_both_sides(observed, expected, departure):
     assert unique_share_departure(observed, expected) == departure
 
 
-def three(kept, lift=1.0):
+def three(kept, lift=1.0, changed=(100, 100, 100), **options):
     """The verdict on three agents of 100 changes each whose pairs all have
-    this lift (expected overlap 20), with RAM retentions `kept`."""
+    this lift (expected overlap 20), with RAM retentions `kept`; `changed`
+    0 makes an agent change nothing (its pairs then overlap nowhere)."""
     overlap = 20 * lift
-    matrix = [[100 if s == t else overlap for t in range(3)] for s in range(3)]
-    expected = [[100 if s == t else 20 for t in range(3)] for s in range(3)]
+
+    def cell(s, t, value):
+        return 0 if 0 in (changed[s], changed[t]) else value
+
+    matrix = [
+        [cell(s, t, 100 if s == t else overlap) for t in range(3)] for s in range(3)
+    ]
+    expected = [[cell(s, t, 100 if s == t else 20) for t in range(3)] for s in range(3)]
     models = ["/m/a", "/m/b", "/m/c"]
-    return judge(models, ["a", "b", "c"], [100] * 3, matrix, expected, kept)
+    return judge(
+        models, ["a", "b", "c"], list(changed), matrix, expected, kept, **options
+    )
 
 
 def test_one_agent_diluted_alone_or_with_the_others():
@@ -128,14 +137,94 @@ def test_mixed_supports_name_each_kind():
     )
 
 
-def test_one_task_model_and_nothing_changed():
+def test_one_task_model_and_one_that_changes_anything():
     one = judge(["a"], ["a"], [5], [[5]], [[5.0]], [1.0])
     assert one.supports is None and one.pairs == () and one.diluted == ()
     assert one.sentence.startswith("one task model")
     idle = judge(
         ["a", "b"], ["a", "b"], [5, 0], [[5, 0], [0, 0]], [[5, 0], [0, 0]], None
     )
-    assert idle.supports is None and "at most one task model" in idle.sentence
+    assert idle.supports is None and idle.diluted == ()
+    assert idle.sentence.startswith(
+        "only a changes anything above epsilon; b changes nothing: there is "
+        "nothing for RAM to average, so it adds a's task vector whole"
+    )
+
+
+def test_nothing_changed_means_the_base_model():
+    """Case (a): epsilon above every change (demo, --epsilon 100: retention
+    0 under RAM for all). The old sentence said RAM "adds that task vector
+    whole"; no task vector is added: RAM returns the base."""
+    verdict = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
+    assert verdict.supports is None and verdict.diluted == ()
+    assert verdict.sentence == (
+        "no task model changes any element above epsilon (100), so there is "
+        "nothing to merge and RAM returns the base model; if epsilon is larger "
+        "than the fine-tuning's changes, lower `epsilon`, else check that the "
+        "task models are not copies of the base."
+    )
+    assert "whole" not in verdict.sentence
+
+
+def test_one_task_model_equal_to_the_base():
+    """Case (b): the one task model is a copy of the base (0 changes,
+    retention n/a). The old sentence said RAM "adds its whole task vector"."""
+    verdict = judge(["/m/copy"], ["copy"], [0], [[0]], [[0.0]], [None], epsilon=1e-5)
+    assert verdict.supports is None and verdict.diluted == ()
+    assert verdict.sentence.startswith(
+        "the task model changes no element above epsilon (1e-05), so there is "
+        "nothing to merge and RAM returns the base model;"
+    )
+    assert "check that the task model is not a copy of the base" in verdict.sentence
+    assert "whole" not in verdict.sentence
+
+
+def test_agents_that_change_nothing_are_named_not_diluted():
+    """An agent with no change above epsilon keeps 0 of its (sub-epsilon)
+    task vector under RAM: the old verdict named it as the agent RAM dilutes
+    ("RAM would dilute c (it keeps 0.00 ..."). It is named as changing
+    nothing, and the others are judged without it."""
+    verdict = three([0.6, 0.8, 0.0], changed=(100, 100, 0), epsilon=1e-5)
+    assert verdict.diluted == ("/m/a",)
+    assert [p.models for p in verdict.pairs] == [("/m/a", "/m/b")]
+    assert verdict.sentence.startswith(
+        "supports independent (lift 1.00: the agents change the same elements "
+        "about as often as chance predicts); c changes nothing above epsilon "
+        "(1e-05) and adds nothing to the merge; RAM would dilute a (it keeps 0.60 "
+        "of its task vector, the other 0.80);"
+    )
+    assert "dilute c" not in verdict.sentence
+    equal = three([0.7, 0.7, None], changed=(100, 100, 0))
+    assert "RAM would dilute every other agent about equally" in equal.sentence
+    whole = three([0.95, 1.0, 0.0], changed=(100, 100, 0))
+    assert whole.diluted == ()
+    assert "RAM keeps at least 0.9 of every other agent's" in whole.sentence
+
+
+def test_shared_ties_in_use_is_not_suggested():
+    """Case (c): with `shared: ties` in the configuration (example_configs/
+    ram_ties.yml) the old verdict still said "try `shared: ties`"; it says
+    the configuration uses it, that the retention quoted is plain RAM's, and
+    what remains to try."""
+    kept = [0.6, 0.8, 0.8]
+    ties = three(kept, shared="ties")
+    assert "try `shared: ties`" not in ties.sentence
+    assert ties.sentence.endswith(
+        "this configuration already uses `shared: ties`, which kept such an "
+        "agent's task vector in mergekit-ram's agent benchmark (retention "
+        f"{SPARSE_KEPT['shared_ties']:.2f} against RAM's {SPARSE_KEPT['ram']:.2f}; "
+        "the retention above is RAM with `shared: mean`) and scored "
+        f"{FINDINGS['heterogeneous', 'shared_ties']} against the best tuned "
+        f"baseline ({BASELINES['heterogeneous']}) where RAM scored "
+        f"{FINDINGS['heterogeneous', 'ram']}; beside it, compare with tuned task "
+        "arithmetic / TIES / DARE."
+    )
+    overlapping = three(kept, lift=OVERLAPPING * UP, shared="ties")
+    assert "`shared: ties`, which this configuration uses, " in overlapping.sentence
+    # Another mode, or none known, keeps the suggestion.
+    for shared in ("mean", "base", None):
+        assert "try `shared: ties`" in three(kept, shared=shared).sentence
+    assert three(kept, shared="mean").sentence == three(kept).sentence
 
 
 def regimes() -> dict:

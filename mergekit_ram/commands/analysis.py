@@ -31,6 +31,7 @@ from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.integration.card import shared_mode
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import is_ours
@@ -57,6 +58,8 @@ class Analysis:
     scales: dict[Hashable, float]
     # How much of λ survived the written dtype: only a merge counts it.
     survival: SurvivalTally | None = None
+    # The configuration's `shared` mode, for the verdict's advice (None: unknown).
+    shared: str | None = None
 
     @classmethod
     def from_merge(
@@ -72,6 +75,7 @@ class Analysis:
             stats,
             dict(scales),
             survival,
+            shared_mode(config),
         )
 
 
@@ -112,7 +116,14 @@ def analyze_config(
     )
     reference = config.base_model if config.base_model is not None else base
     return require_task_vectors(
-        Analysis(config.merge_method, str(reference), settings, stats, scales),
+        Analysis(
+            config.merge_method,
+            str(reference),
+            settings,
+            stats,
+            scales,
+            shared=shared_mode(config),
+        ),
         len(merges),
     )
 

@@ -210,5 +210,5 @@ def build_report(
         "per_layer": _grouped(stats, ids, layer_of, None, "layer"),
         "sweep": sweeps,
         "retention": retention_settings(analysis, len(ids)),
-        "verdict": verdict_of(stats).as_dict(),
+        "verdict": verdict_of(stats, analysis.shared).as_dict(),
     }

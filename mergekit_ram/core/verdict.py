@@ -13,7 +13,12 @@ verdict", says which measurements each was chosen from):
   with every agent within a factor ALONE of it, unless every agent keeps at
   least KEPT_WHOLE of its task vector;
 - what to try beside RAM: what benchmarks/agents measured in that case
-  (FINDINGS), as something to try, with its confidence interval.
+  (FINDINGS), as something to try, with its confidence interval; never what
+  the configuration already uses (`shared`).
+
+Task models that change no element above epsilon are named as such: they add
+nothing to the merge, so RAM neither dilutes nor keeps them, and when none
+changes anything the merge is the base model.
 """
 
 from __future__ import annotations
@@ -141,10 +146,6 @@ ONE_MODEL = (
     "one task model: every change it makes is its own, so RAM adds its whole "
     "task vector, as task arithmetic with weight 1 does."
 )
-NOTHING_SHARED = (
-    "at most one task model changes anything: there is nothing for RAM to "
-    "average, so it adds that task vector whole."
-)
 
 
 def judge(
@@ -154,17 +155,49 @@ def judge(
     intersection: Sequence[Sequence[float]],
     expected: Sequence[Sequence[float]],
     kept: Sequence[float | None] | None,
+    *,
+    epsilon: float | None = None,
+    shared: str | None = None,
 ) -> Verdict:
     """The verdict on task models with these counts.
 
     `intersection` / `expected`: the observed and independent overlaps of
     each pair (report.json `pairwise`); `kept`: each model's retention under
-    RAM, None where it was not computed (a merge without inner products).
+    RAM, None where it was not computed (a merge without inner products);
+    `epsilon`: the change threshold, quoted when some model changes nothing;
+    `shared`: the configuration's `shared` mode, None when unknown or it
+    varies per tensor, so the advice never suggests what is already in use.
     """
+    label = dict(zip(models, labels))
+    active = [m for m, c in zip(models, changed) if c > 0]
+    idle = [label[m] for m, c in zip(models, changed) if c == 0]
+    if not active:
+        return Verdict(None, (), (), _nothing_changed(len(models), epsilon))
     if len(models) < 2:
         return Verdict(None, (), (), ONE_MODEL)
-    label = dict(zip(models, labels))
+    if len(active) == 1:
+        return Verdict(None, (), (), _only_one(label[active[0]], idle, epsilon))
     size = dict(zip(models, changed))
+    pairs = _pairs(models, changed, intersection, expected)
+    supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
+    live = None if kept is None else [k for k, c in zip(kept, changed) if c > 0]
+    diluted, dilution = _dilution(active, label, live, idle=bool(idle))
+    clauses = [
+        _supports_clause(pairs, label, size),
+        *([_idle_clause(idle, epsilon)] if idle else []),
+        dilution,
+        _advice(supports, len(diluted) == 1, shared),
+    ]
+    return Verdict(supports, tuple(pairs), diluted, "; ".join(clauses) + ".")
+
+
+def _pairs(
+    models: Sequence[str],
+    changed: Sequence[int],
+    intersection: Sequence[Sequence[float]],
+    expected: Sequence[Sequence[float]],
+) -> list[PairSupports]:
+    """How each pair of models that both change something relates."""
     pairs = []
     for s in range(len(models)):
         for t in range(s + 1, len(models)):
@@ -175,21 +208,51 @@ def judge(
             lift = ratio(intersection[s][t], expected[s][t])
             kind = pair_supports(lift, inside)
             pairs.append(PairSupports((models[s], models[t]), kind, lift, inside))
-    if not pairs:
-        return Verdict(None, (), (), NOTHING_SHARED)
-    supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
-    diluted, dilution = _dilution(models, label, kept)
-    clauses = [
-        _supports_clause(pairs, label, size),
-        dilution,
-        _advice(supports, len(diluted) == 1),
-    ]
-    return Verdict(supports, tuple(pairs), diluted, "; ".join(clauses) + ".")
+    return pairs
 
 
-def verdict_of(stats: OverlapStatistics) -> Verdict:
+def _above(epsilon: float | None) -> str:
+    """'above epsilon (1e-05)': the threshold a change must exceed to count."""
+    return "above epsilon" if epsilon is None else f"above epsilon ({epsilon:g})"
+
+
+def _nothing_changed(count: int, epsilon: float | None) -> str:
+    """No task vector has an element above epsilon: RAM returns the base, and
+    the likely causes are an epsilon above the fine-tuning's changes or task
+    models that are copies of the base."""
+    who = "the task model changes no" if count == 1 else "no task model changes any"
+    models = "model is not a copy" if count == 1 else "models are not copies"
+    return (
+        f"{who} element {_above(epsilon)}, so there is nothing to merge and "
+        "RAM returns the base model; if epsilon is larger than the fine-tuning's "
+        f"changes, lower `epsilon`, else check that the task {models} of the base."
+    )
+
+
+def _only_one(name: str, idle: Sequence[str], epsilon: float | None) -> str:
+    """One model changes something and the others nothing: RAM adds that task
+    vector whole, and the others are named so they are not taken for
+    agents RAM keeps."""
+    nothing = "changes nothing" if len(idle) == 1 else "change nothing"
+    return (
+        f"only {name} changes anything {_above(epsilon)}; {_names(idle)} "
+        f"{nothing}: there is nothing for RAM to average, so it adds {name}'s "
+        "task vector whole, as task arithmetic with weight 1 does."
+    )
+
+
+def _idle_clause(idle: Sequence[str], epsilon: float | None) -> str:
+    """The models that change nothing: they add nothing, so RAM neither
+    dilutes nor keeps them (their retention is 0 or undefined)."""
+    verb = "changes nothing" if len(idle) == 1 else "change nothing"
+    adds = "adds" if len(idle) == 1 else "add"
+    return f"{_names(idle)} {verb} {_above(epsilon)} and {adds} nothing to the merge"
+
+
+def verdict_of(stats: OverlapStatistics, shared: str | None = None) -> Verdict:
     """The verdict on counted statistics; without inner products (a merge's
-    own pass) it cannot say which agent RAM dilutes."""
+    own pass) it cannot say which agent RAM dilutes. `shared`: the
+    configuration's `shared` mode (judge), None when unknown."""
     ids = list(stats.tasks)
     models = [str(i) for i in ids]
     labels = labels_for(models)
@@ -205,6 +268,8 @@ def verdict_of(stats: OverlapStatistics) -> Verdict:
         pair["intersection"],
         pair["expected_intersection"],
         kept,
+        epsilon=stats.epsilon,
+        shared=shared,
     )
 
 
@@ -265,9 +330,17 @@ def _supports_clause(
 
 
 def _dilution(
-    models: Sequence[str], label: Mapping, kept: Sequence[float | None] | None
+    models: Sequence[str],
+    label: Mapping,
+    kept: Sequence[float | None] | None,
+    idle: bool = False,
 ) -> tuple[tuple[str, ...], str]:
-    """(the models RAM dilutes most, lowest retention first; the clause)."""
+    """(the models RAM dilutes most, lowest retention first; the clause).
+
+    `models`: those that change something; `idle`: whether some model
+    changing nothing was left out, so "every agent" says "every other agent".
+    """
+    every = "every other agent" if idle else "every agent"
     if kept is None:
         return (), (
             "to see which agent RAM would dilute, run mergekit-ram analyze on "
@@ -279,7 +352,7 @@ def _dilution(
     lowest = min(known.values())
     if lowest >= KEPT_WHOLE:
         return (), (
-            f"RAM keeps at least {KEPT_WHOLE:g} of every agent's task vector "
+            f"RAM keeps at least {KEPT_WHOLE:g} of {every}'s task vector "
             f"(retention {_span(list(known.values()))})"
         )
     limit = lowest / ALONE if lowest > 0 else lowest
@@ -297,7 +370,7 @@ def _dilution(
             f"task vector{rest})"
         )
     else:
-        who = "every agent" if not others else _names([label[m] for m in diluted])
+        who = every if not others else _names([label[m] for m in diluted])
         share = _span([known[m] for m in diluted])
         clause = (
             f"RAM would dilute {who} about equally (retention {share}{rest}), "
@@ -306,8 +379,10 @@ def _dilution(
     return tuple(diluted), clause
 
 
-def _advice(supports: str, alone: bool) -> str:
-    """What to try beside RAM, from what benchmarks/agents measured."""
+def _advice(supports: str, alone: bool, shared: str | None = None) -> str:
+    """What to try beside RAM, from what benchmarks/agents measured; never
+    the `shared` mode the configuration already uses (`shared`)."""
+    ties = shared == "ties"
     if supports == "nested":
         return (
             f"beside RAM, try {TUNED}: RAM averages every change of the nested "
@@ -315,24 +390,37 @@ def _advice(supports: str, alone: bool) -> str:
             "nested agents"
         )
     if supports == "overlapping":
+        used = ", which this configuration uses," if ties else ""
         return (
             f"beside RAM, try {TUNED}: in {BENCHMARK} with overlapping supports "
             f"RAM scored {FINDINGS['homogeneous', 'ram']} against the best tuned "
             f"baseline ({BASELINES['homogeneous']}), RAM+ written in float32 "
-            f"{FINDINGS['homogeneous', 'ramplus_fp32']} and `shared: ties` "
+            f"{FINDINGS['homogeneous', 'ramplus_fp32']} and `shared: ties`{used} "
             f"{FINDINGS['homogeneous', 'shared_ties']}"
         )
-    if alone:
+    if alone and ties:
         return (
-            "beside RAM, try `shared: ties`, which kept such an agent's task "
-            f"vector in {BENCHMARK} (retention {SPARSE_KEPT['shared_ties']:.2f} "
-            f"against RAM's {SPARSE_KEPT['ram']:.2f}) and scored "
-            f"{FINDINGS['heterogeneous', 'shared_ties']} against the best tuned "
-            f"baseline ({BASELINES['heterogeneous']}) where RAM scored "
-            f"{FINDINGS['heterogeneous', 'ram']}, and {TUNED}"
+            "this configuration already uses `shared: ties`, "
+            f"{_ties_kept('; the retention above is RAM with `shared: mean`')}; "
+            f"beside it, compare with {TUNED}"
         )
+    if alone:
+        return f"beside RAM, try `shared: ties`, {_ties_kept('')}, and {TUNED}"
     return (
         f"compare with {TUNED}: in neither regime of {BENCHMARK} did RAM beat "
         f"the best tuned one ({FINDINGS['heterogeneous', 'ram']} with independent "
         f"supports, {FINDINGS['homogeneous', 'ram']} with overlapping ones)"
+    )
+
+
+def _ties_kept(note: str) -> str:
+    """What `shared: ties` did for the benchmark's sparse agent: the evidence
+    for trying it, or for keeping it where it is in use (`note` inside the
+    parenthesis on retention)."""
+    return (
+        f"which kept such an agent's task vector in {BENCHMARK} (retention "
+        f"{SPARSE_KEPT['shared_ties']:.2f} against RAM's {SPARSE_KEPT['ram']:.2f}"
+        f"{note}) and scored {FINDINGS['heterogeneous', 'shared_ties']} against "
+        f"the best tuned baseline ({BASELINES['heterogeneous']}) where RAM scored "
+        f"{FINDINGS['heterogeneous', 'ram']}"
     )

@@ -16,6 +16,7 @@ from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 
 from mergekit_ram.integration.config_groups import groups
+from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.model_locations import model_references
 from mergekit_ram.integration.parameter_schema import _possible
 
@@ -46,9 +47,8 @@ def where_from() -> str:
 SHARED_MODES = ("mean", "ties", "base")
 
 
-def variant(config: MergeConfiguration) -> str:
-    """The RAM variant a configuration merges with, for the card's heading:
-    RAM or RAM+, the statistics scope and rule (RAM+), and `shared`."""
+def _values(config: MergeConfiguration) -> dict[str, set[Any]]:
+    """Every value each setting the variant names takes in a RAM configuration."""
     specs = {p.name: p for p in merge_methods.get(config.merge_method).spec.parameters}
     values: dict[str, set[Any]] = {
         name: set() for name in ("r", "statistics", "saturation", "shared")
@@ -56,6 +56,22 @@ def variant(config: MergeConfiguration) -> str:
     for group in groups(config):
         for name, found in values.items():
             found |= _possible(specs[name], group.blocks)
+    return values
+
+
+def shared_mode(config: MergeConfiguration) -> str | None:
+    """The one `shared` mode a RAM configuration merges with (None: another
+    method, or it varies per tensor), for the verdict's advice."""
+    if not is_ours(config.merge_method):
+        return None
+    modes = _values(config)["shared"]
+    return next(iter(modes)) if len(modes) == 1 else None
+
+
+def variant(config: MergeConfiguration) -> str:
+    """The RAM variant a configuration merges with, for the card's heading:
+    RAM or RAM+, the statistics scope and rule (RAM+), and `shared`."""
+    values = _values(config)
 
     def one(name: str, words: Mapping[Any, str]) -> str:
         if len(values[name]) == 1:

@@ -82,7 +82,11 @@ def patch_card(merge: ModuleType) -> None:
     merge, name its variant and the base model's licence and list its models
     in the configuration's order; and keep the card's hub lookup from failing
     or stalling a finished RAM merge offline."""
-    from mergekit_ram.integration.card import described_card, in_config_order
+    from mergekit_ram.integration.card import (
+        described_card,
+        in_config_order,
+        shared_mode,
+    )
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.methods import is_ours
     from mergekit_ram.integration.statistics import (
@@ -120,7 +124,7 @@ def patch_card(merge: ModuleType) -> None:
             card = described_card(card, config)
         result = statistics_for_card()
         if result is not None:
-            return card + card_section(*result)
+            return card + card_section(*result, shared=shared_mode(config))
         run = current_run()
         if run is not None and run.local.tasks:
             return card + local_card_section(run.local, run.tally)

@@ -154,11 +154,13 @@ def card_section(
     stats: OverlapStatistics,
     scales: Mapping[Hashable, float],
     survival: SurvivalTally | None = None,
+    shared: str | None = None,
 ) -> str:
     """A short model-card section with the per-agent table.
 
     With a survival tally, a column says which share of each task's rescaled
-    unique elements the rescale still changes in the written model.
+    unique elements the rescale still changes in the written model; `shared`
+    (the configuration's mode) keeps the verdict from advising it again.
     """
     intro = (
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
@@ -166,7 +168,7 @@ def card_section(
         f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
         f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
         f"Full counts are in `{STATISTICS_FILE}`.\n\n"
-        f"**Verdict:** {verdict_of(stats).sentence}"
+        f"**Verdict:** {verdict_of(stats, shared).sentence}"
     )
     lam = {task: f"{scales.get(task, 1.0):.4f}" for task in stats.tasks}
     return _section("RAM+ statistics", intro, stats.tasks, lam, survival)
