@@ -705,6 +705,12 @@ CASES: tuple[Case, ...] = (
         ("parameters.density", "only applies with shared: ties", "shared: ties"),
     ),
     Case(
+        "alpha-with-the-soft-rule",
+        "`alpha` with `saturation: soft` (the soft rule has no alpha)",
+        lambda ws: ws.config(parameters={"saturation": "soft", "alpha": 5.0}),
+        ("parameters.alpha", "only applies with saturation: clip", "remove alpha"),
+    ),
+    Case(
         "shared-under-model",
         "`shared` under one model",
         lambda ws: ws.config(

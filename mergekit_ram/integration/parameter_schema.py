@@ -43,7 +43,7 @@ RESCALE_FACTOR_HINT = (
 def check_parameters(groups: list[Group], method: RAMMerge, problems: Problems) -> None:
     """Every parameters mapping's keys and values against the method's spec;
     each problem goes to `problems`. The rules across mappings (one value
-    for global statistics, density with ties) run once the values are right."""
+    for global statistics, ONLY_WITH) run once the values are right."""
     specs = {spec.name: spec for spec in method.spec.parameters}
     name = method.spec.name
     before = len(problems.found)
@@ -66,7 +66,7 @@ def check_parameters(groups: list[Group], method: RAMMerge, problems: Problems) 
         with problems.check():
             _check_one_value(groups, specs)
         with problems.check():
-            _check_density(groups, specs)
+            _check_only_with(groups, specs)
 
 
 def _unique_blocks(groups: list[Group]) -> Iterator[Block]:
@@ -251,18 +251,28 @@ def _check_one_value(groups: list[Group], specs: Mapping[str, ParameterSpec]) ->
                 )
 
 
-def _check_density(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
-    """`density` only acts with shared: ties; set without it, it is ignored."""
-    if any("ties" in _possible(specs["shared"], g.blocks) for g in groups):
-        return
-    for block in _unique_blocks(groups):
-        if "density" in block.settings:
-            raise RAMInputError(
-                f"{block.where('density')}: density only applies with shared: "
-                "ties (TIES on the shared elements), and this merge never uses "
-                "it, so it would be ignored. Add 'shared: ties' next to it, or "
-                "remove density."
-            )
+# Settings that act only beside another one's value: set where that value is
+# never used, they would be ignored (and still shown in the card).
+ONLY_WITH = (
+    ("density", "shared", "ties", "TIES on the shared elements"),
+    ("alpha", "saturation", "clip", "the clip rule's cap on S/U"),
+)
+
+
+def _check_only_with(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
+    """A setting from ONLY_WITH set where its partner never takes the value
+    it acts with: refused, since it would be ignored."""
+    for key, partner, value, what in ONLY_WITH:
+        if any(value in _possible(specs[partner], g.blocks) for g in groups):
+            continue
+        for block in _unique_blocks(groups):
+            if key in block.settings:
+                raise RAMInputError(
+                    f"{block.where(key)}: {key} only applies with {partner}: "
+                    f"{value} ({what}), and this merge never uses it, so it would "
+                    f"be ignored. Add '{partner}: {value}' next to it, or remove "
+                    f"{key}."
+                )
 
 
 def _possible(spec: ParameterSpec, blocks: Iterable[Block]) -> set[Any]:
