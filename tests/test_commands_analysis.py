@@ -1001,3 +1001,25 @@ def test_the_verdict_does_not_advise_the_shared_mode_in_use(model_family, tmp_pa
     assert "RAM would dilute coder" in sentence
     assert "try `shared: ties`" not in sentence
     assert "already uses `shared: ties`" in sentence
+
+
+def test_a_report_never_replaces_a_file_it_did_not_write(models, tmp_path):
+    """A user's own report.md in the --out / --report folder is refused before
+    the analysis or the merge; an earlier report of ours is replaced."""
+    root, paths = models
+    config = write_config(root, paths, "ramplus", r=0.1)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "report.md").write_text("my notes")
+    for args in (
+        ("analyze", config, "--out", folder),
+        ("merge", config, tmp_path / "merged", "--report", folder),
+    ):
+        output = invoke(*args, "--quiet", expect=2)
+        assert "holds report.md, which no mergekit-ram report wrote" in flat(output)
+        assert (folder / "report.md").read_text() == "my notes"
+    assert not (tmp_path / "merged").exists()
+    (folder / "report.md").unlink()
+    invoke("analyze", config, "--out", folder, "--quiet")
+    invoke("analyze", config, "--out", folder, "--quiet")  # our own: replaced
+    assert read(folder / REPORT_JSON)["verdict"]["sentence"]

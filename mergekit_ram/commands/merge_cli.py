@@ -229,11 +229,13 @@ def _refuse_report_folder(config: Any, folder: str | None) -> None:
     """A report folder gets OUT's path checks before any weight is read: a
     folder that can be made, never one that adds files to an input."""
     if folder is not None:
+        from mergekit_ram.commands.report_files import check_report_folder
         from mergekit_ram.integration.output_folder import resolve_output
         from mergekit_ram.integration.publishing import refuse_input_folder
 
         resolve_output(folder, "report folder")
         refuse_input_folder(config, folder, "report folder")
+        check_report_folder(folder)
 
 
 def _emit(report: dict, out_dir: str | None) -> None:

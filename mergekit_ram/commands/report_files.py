@@ -15,6 +15,32 @@ from mergekit_ram.integration.statistics import strict_json
 REPORT_MD = "report.md"
 
 
+def check_report_folder(out_dir: str) -> None:
+    """Refuse a folder holding a file the report would replace that an
+    earlier report did not write (we recognise one by its report.json):
+    a user's own report.md is never overwritten."""
+    names = [REPORT_JSON, REPORT_MD, *figures.FIGURES]
+    taken = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if not taken or _ours(os.path.join(out_dir, REPORT_JSON)):
+        return
+    raise RAMInputError(
+        f"The report folder {out_dir} holds {', '.join(taken)}, which no "
+        "mergekit-ram report wrote there, and the report would replace "
+        f"{'it' if len(taken) == 1 else 'them'}. Choose another folder for "
+        "--report / --out, or move those files away; nothing was written."
+    )
+
+
+def _ours(path: str) -> bool:
+    """Whether path is a report.json an analysis wrote (its own keys)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(document, dict) and {"schema_version", "verdict"} <= set(document)
+
+
 def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
     """Write report.json, the figures and report.md; returns (paths, message).
 
