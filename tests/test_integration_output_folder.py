@@ -358,6 +358,10 @@ def test_a_lock_file_replaced_by_a_link_is_refused(previous, tmp_path):
     with pytest.raises(OutputError, match="which is a link"):
         staged_merge(str(previous), writer(NEW))
     assert (tmp_path / "theirs").read_text() == "theirs"
+    (previous / STATE / "lock").unlink()
+    os.mkfifo(previous / STATE / "lock")  # opening it to lock would block
+    with pytest.raises(OutputError, match=r"which is a special file \(a FIFO"):
+        staged_merge(str(previous), writer(NEW))
 
 
 # --- our state from a clone or a copy: untrusted -----------------------------------

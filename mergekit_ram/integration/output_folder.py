@@ -75,6 +75,12 @@ KINDS = (
     (stat.S_ISLNK, "link"),
     (stat.S_ISDIR, "folder"),
 )
+KIND_NAMES = {
+    "file": "a file",
+    "link": "a link",
+    "folder": "a folder",
+    "other": "a special file (a FIFO, socket or device)",
+}
 
 
 class OutputError(RAMInputError):
@@ -648,7 +654,7 @@ def locked(target: str, shown: str | None = None) -> Iterator[OutputState]:
         if found is not None and found[0] != wanted:
             raise _refuse(
                 state.shown,
-                f"holds {path}, which is a {found[0]}, not {what}",
+                f"holds {path}, which is {KIND_NAMES[found[0]]}, not {what}",
                 "Remove it (nothing of a merge is in it), then run again.",
             )
     if existing is not None and hasattr(os, "geteuid"):
