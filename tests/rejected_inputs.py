@@ -711,6 +711,14 @@ CASES: tuple[Case, ...] = (
         ("parameters.alpha", "only applies with saturation: clip", "remove alpha"),
     ),
     Case(
+        "density-and-alpha-both-ignored",
+        "`density` without ties and `alpha` with the soft rule, in one file",
+        lambda ws: ws.config(
+            parameters={"saturation": "soft", "alpha": 5.0, "density": 0.2}
+        ),
+        ("has 2 problems", "density only applies", "alpha only applies"),
+    ),
+    Case(
         "shared-under-model",
         "`shared` under one model",
         lambda ws: ws.config(

@@ -1023,3 +1023,15 @@ def test_a_report_never_replaces_a_file_it_did_not_write(models, tmp_path):
     invoke("analyze", config, "--out", folder, "--quiet")
     invoke("analyze", config, "--out", folder, "--quiet")  # our own: replaced
     assert read(folder / REPORT_JSON)["verdict"]["sentence"]
+    # Ours, but report.md a link to the user's notes, or report.json a FIFO
+    # (reading it to recognise it would block): refused, nothing written.
+    notes = tmp_path / "notes.md"
+    notes.write_text("my notes")
+    (folder / "report.md").unlink()
+    (folder / "report.md").symlink_to(notes)
+    invoke("analyze", config, "--out", folder, "--quiet", expect=2)
+    assert notes.read_text() == "my notes"
+    (folder / "report.md").unlink()
+    (folder / REPORT_JSON).unlink()
+    os.mkfifo(folder / REPORT_JSON)
+    invoke("analyze", config, "--out", folder, "--quiet", expect=2)

@@ -88,6 +88,22 @@ def test_an_interruption_native_code_replaced_or_dropped_still_ends_the_block(
     )
 
 
+def test_a_signal_after_a_dropped_one_interrupts_at_once():
+    """Native code dropped the first Ctrl-C: the next one still stops the
+    block where it lands, not at its end."""
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interruptions() as signals:
+            with signals.allowed():
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass  # dropped
+                os.kill(os.getpid(), signal.SIGINT)
+                reached.append("the rest of the merge")
+    assert not reached
+
+
 def test_ignored_signals_stay_ignored_and_threads_are_left_alone():
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:

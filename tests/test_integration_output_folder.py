@@ -447,12 +447,13 @@ def test_a_copied_journal_never_replaces_a_file_that_changed(previous):
     staged = previous / STATE / "staged" / "out"
     staged.mkdir(parents=True)
     (staged / "notes.txt").write_text("the journal's")
+    found = os.lstat(staged / "notes.txt")
     recorded = ("file", notes.st_size + 1, notes.st_mtime_ns)
     journal = Journal(
         "out",
         moves=(("notes.txt", recorded),),
         removals=(("frozen.txt", recorded),),
-        manifest={"notes.txt": recorded},
+        manifest={"notes.txt": ("file", found.st_size, found.st_mtime_ns)},
     )
     (previous / STATE / JOURNAL).write_text(json.dumps(journal.document()))
     user = user_tree(previous)
@@ -529,43 +530,85 @@ def test_a_link_swapped_in_after_a_check_is_never_walked(tmp_path, monkeypatch):
 
 
 def test_another_users_state_folder_is_refused(previous, monkeypatch):
-    """Whoever owns OUT/.mergekit-ram could swap what a merge stages there."""
+    """Whoever owns OUT/.mergekit-ram could swap what a merge stages there;
+    the fix named depends on whether that user's publish is unfinished."""
     monkeypatch.setattr(output_folder.os, "geteuid", lambda: os.getuid() + 4242)
     before = tree(previous)
-    with pytest.raises(OutputError, match="belongs to another user"):
+    with pytest.raises(OutputError, match="belongs to another user") as refused:
         staged_merge(str(previous), writer(NEW))
+    assert "remove that folder" in str(refused.value)
     assert tree(previous) == before
+    (previous / STATE / JOURNAL).write_text("{}")
+    with pytest.raises(OutputError, match="belongs to another user") as refused:
+        staged_merge(str(previous), writer(NEW))
+    assert "finishes the publish" in str(refused.value)
+    assert "remove that folder" not in str(refused.value)
 
 
-def test_a_journal_moves_only_files_exactly_as_staged(previous, caplog):
+def test_staging_nested_deeper_than_any_merge_is_one_error(previous):
+    deep, depth, here = previous / STATE / "staged", 1200, os.getcwd()
+    deep.mkdir()
+    os.chdir(deep)  # built and removed relative: a whole path this deep is too long
+    try:
+        for _ in range(depth):
+            os.mkdir("d")
+            os.chdir("d")
+        os.chdir(here)
+        with pytest.raises(OutputError, match="nested deeper than any merge"):
+            staged_merge(str(previous), writer(NEW))
+        assert (previous / "config.json").read_text() != "new config"
+        os.chdir(deep)
+        for _ in range(depth):
+            os.chdir("d")
+        for _ in range(depth):
+            os.chdir("..")
+            os.rmdir("d")
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.parametrize("planted", ["config.json", "extra.txt", "no staging"])
+def test_a_journal_whose_staging_is_not_what_it_recorded_is_refused(previous, planted):
     """A journal (from a `cp -r` or a clone) whose staged file is not the one
-    it recorded: that file stays out of OUT, with a warning; the rest of the
-    journal is finished."""
+    it recorded, or whose staging is gone: finishing it would publish a mix
+    (new weights beside the old config.json), so it is refused before
+    anything moves."""
     staged = previous / STATE / "staged" / "out"
     staged.mkdir(parents=True)
-    (staged / "planted.txt").write_text("not what was staged")
-    (staged / "extra.txt").write_text("staged")
-    found = os.lstat(staged / "extra.txt")
-    planted = ("file", 1, 1)
+    for name in ("config.json", "extra.txt"):
+        (staged / name).write_text(f"staged {name}")
+    manifest = {
+        name: ("file", found.st_size, found.st_mtime_ns)
+        for name in ("config.json", "extra.txt")
+        for found in [os.lstat(staged / name)]
+    }
+    if planted == "no staging":
+        shutil.rmtree(previous / STATE / "staged")
+        match = "is missing"
+    else:
+        manifest[planted] = ("file", 1, 1)
+        match = f"its staged {planted} is not the file it recorded"
     journal = Journal(
         "out",
-        moves=(("planted.txt", None), ("extra.txt", None)),
-        removals=(),
-        manifest={
-            "planted.txt": planted,
-            "extra.txt": ("file", found.st_size, found.st_mtime_ns),
-        },
+        moves=(("config.json", None), ("extra.txt", None)),
+        removals=tuple((n, i) for n, i in manifest_of(previous).items()),
+        manifest=manifest,
     )
     (previous / STATE / JOURNAL).write_text(json.dumps(journal.document()))
-    user = user_tree(previous)
-    with locked(str(previous)) as state:
-        state.recover()
-    assert (previous / "extra.txt").read_text() == "staged"
-    assert not (previous / "planted.txt").exists()
-    assert "planted.txt" in caplog.text and "staging" in caplog.text
+    before = tree(previous)
+    with pytest.raises(OutputError, match=match):
+        staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == before
+    (previous / STATE / JOURNAL).unlink()
     staged_merge(str(previous), writer(NEW))
-    assert user_tree(previous) == user
+    assert not (previous / "extra.txt").exists()
+    assert (previous / "config.json").read_text() == "new config"
     assert ours_left(previous) == []
+
+
+def manifest_of(out: Path) -> dict:
+    """The manifest's records as identities (tuples)."""
+    return {name: tuple(value) for name, value in manifest(out).items()}
 
 
 # --- the user's folder stays theirs -----------------------------------------------
@@ -908,6 +951,16 @@ def test_a_mount_below_out_is_untouched(tmpfs, previous):
         k: v for k, v in before.items() if k.startswith("data")
     }
     assert ours_left(previous) == []
+
+
+def test_a_mount_inside_our_staging_is_left_alone_and_named(tmpfs, previous):
+    """A disk mounted inside a killed run's staging is never walked into;
+    the message names its whole path."""
+    disk = tmpfs(previous / STATE / "staged" / "out" / "deeper")
+    (disk / "dataset.jsonl").write_text("rows")
+    with pytest.raises(OutputError, match=f"{disk} is a mount point inside"):
+        staged_merge(str(previous), writer(NEW))
+    assert (disk / "dataset.jsonl").read_text() == "rows"
 
 
 def test_one_folder_under_two_paths_has_one_lock(tmpfs, previous, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,15 +14,18 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.statistics import strict_json
 
 REPORT_MD = "report.md"
+REPORT_LIMIT = 64 << 20  # bytes: a report.json of ours is far smaller
 
 
 def check_report_folder(out_dir: str) -> None:
     """Refuse a folder holding a file the report would replace that an
-    earlier report did not write (we recognise one by its report.json):
-    a user's own report.md is never overwritten."""
+    earlier report did not write (we recognise one by its report.json; all
+    of them plain files): a user's own report.md is never overwritten, nor
+    written through a link."""
     names = [REPORT_JSON, REPORT_MD, *figures.FIGURES]
     taken = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
-    if not taken or _ours(os.path.join(out_dir, REPORT_JSON)):
+    plain = all(stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode) for n in taken)
+    if not taken or (plain and _ours(os.path.join(out_dir, REPORT_JSON))):
         return
     raise RAMInputError(
         f"The report folder {out_dir} holds {', '.join(taken)}, which no "
@@ -34,8 +38,11 @@ def check_report_folder(out_dir: str) -> None:
 def _ours(path: str) -> bool:
     """Whether path is a report.json an analysis wrote (its own keys)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            document = json.load(handle)
+        flags = (
+            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        )
+        with os.fdopen(os.open(path, flags), "rb") as handle:
+            document = json.loads(handle.read(REPORT_LIMIT + 1))
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(document, dict) and {"schema_version", "verdict"} <= set(document)

@@ -59,8 +59,7 @@ class Interruptions:
         self.finished = "the run stops here."
 
     def handle(self, signum: int, _frame: object) -> None:
-        if self.interruptible:
-            self.interruptible = False
+        if self.interruptible:  # again too: native code may have dropped one
             self.raised = signum
             raise _interruption(signum)
         if self.pending is None:

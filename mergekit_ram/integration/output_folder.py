@@ -64,7 +64,11 @@ MODEL_CONFIG = "config.json"  # what makes a folder load as a model
 NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 # Where the OS opens a folder without following a link and moves files out of
 # an open one, our staging is walked and published through open folders.
-PINNED = hasattr(os, "O_DIRECTORY") and {os.open, os.rename} <= os.supports_dir_fd
+PINNED = (
+    hasattr(os, "O_DIRECTORY")
+    and {os.open, os.rename, os.stat, os.unlink, os.rmdir} <= os.supports_dir_fd
+    and os.listdir in os.supports_fd
+)
 FOLDER_FLAGS = (
     os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
 )
@@ -226,12 +230,15 @@ def _valid_identity(value: object) -> bool:
     )
 
 
-def _remove_tree(path: str, device: int, folder: int | None = None) -> None:
+def _remove_tree(
+    path: str, device: int, folder: int | None = None, shown: str | None = None
+) -> None:
     """Remove our staging at path (in the open `folder`): links themselves,
     never their targets; a folder on another device (a mount) is left alone
     and refused. Where the OS can, folders are opened without following
     links and walked by descriptor: a link swapped in meanwhile is removed
-    as a link, never walked into."""
+    as a link, never walked into. `shown`: path's whole name, for messages."""
+    shown = shown or path
     if PINNED:
         try:
             inner: int | str = os.open(path, FOLDER_FLAGS, dir_fd=folder)
@@ -249,12 +256,12 @@ def _remove_tree(path: str, device: int, folder: int | None = None) -> None:
     try:
         if found.st_dev != device:
             raise OutputError(
-                f"{path} is a mount point inside the merge's staging folder; "
+                f"{shown} is a mount point inside the merge's staging folder; "
                 "it was left alone. Unmount it, then run the merge again."
             )
         for name in os.listdir(inner):
             if PINNED:
-                _remove_tree(name, device, inner)
+                _remove_tree(name, device, inner, os.path.join(shown, name))
             else:
                 _remove_tree(os.path.join(path, name), device)
     finally:
@@ -405,44 +412,60 @@ class OutputState:
         self.discard()
 
     @contextmanager
-    def _staged_folder(self, journal: Journal) -> Iterator[Staged | None]:
+    def _staged_folder(self, journal: Journal) -> Iterator[Staged]:
         """The journal's staging folder, opened without following a link and
         held open while its files move, so that a link swapped in meanwhile
-        cannot redirect a move (by path where the OS cannot pin a folder);
-        None when absent. A link, a non-folder or another file system there
-        is refused before anything moves: a clone could ship one."""
+        cannot redirect a move (by path where the OS cannot pin a folder).
+
+        Refused before anything moves unless it is what a merge into this
+        folder leaves: a plain folder of OUT's file system (a clone could
+        ship a link to the user's home) whose files are the ones the journal
+        recorded (or already moved in).
+        """
         device = os.lstat(self.root).st_dev
         path = os.path.join(self.path(STAGED), journal.folder)
         descriptor = None
+        current = staging = self.path(STAGED)
         try:
-            for part, whole in ((self.path(STAGED),) * 2, (journal.folder, path)):
-                if PINNED:
-                    opened = os.open(part, FOLDER_FLAGS, dir_fd=descriptor)
-                    if descriptor is not None:
-                        os.close(descriptor)
-                    descriptor = opened
-                found = os.fstat(descriptor) if PINNED else os.lstat(whole)
-                if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
-                    raise NotADirectoryError(errno.ENOTDIR, "not ours", whole)
-        except FileNotFoundError:
-            yield None
-        except OSError as error:
-            if error.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            raise _refuse(
-                self.shown,
-                f"holds a publishing journal whose staging, {path}, is a link, "
-                "not a folder, or on another file system: it was not left by a "
-                "merge into this folder (it may come from a copy or a clone); "
-                "nothing was changed",
-                f"If no merge is running into it, delete {self.path(JOURNAL)} "
-                "and run again.",
-            ) from None
-        else:
-            yield Staged(path, descriptor)
+            try:
+                for part, current in ((staging, staging), (journal.folder, path)):
+                    if PINNED:
+                        opened = os.open(part, FOLDER_FLAGS, dir_fd=descriptor)
+                        if descriptor is not None:
+                            os.close(descriptor)
+                        descriptor = opened
+                    found = os.fstat(descriptor) if PINNED else os.lstat(current)
+                    if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
+                        raise NotADirectoryError(errno.ENOTDIR, "not ours", current)
+            except FileNotFoundError:
+                raise self._not_ours(f"its staging {current} is missing") from None
+            except OSError as error:
+                if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise self._not_ours(
+                    f"its staging {current} is a link, not a folder, or on "
+                    "another file system"
+                ) from None
+            staged = Staged(path, descriptor)
+            for name, _ in journal.moves:
+                found = staged.identity(name)
+                if found is not None and found != journal.manifest.get(name):
+                    raise self._not_ours(
+                        f"its staged {name} is not the file it recorded"
+                    )
+            yield staged
         finally:
             if descriptor is not None:
                 os.close(descriptor)
+
+    def _not_ours(self, reason: str) -> OutputError:
+        return _refuse(
+            self.shown,
+            f"holds a publishing journal that no merge into this folder left "
+            f"({reason}; it may come from a copy or a clone); nothing was changed",
+            f"If no merge is running into it, delete {self.path(JOURNAL)} and "
+            "run again.",
+        )
 
     def staging(self) -> str:
         """A fresh folder for mergekit to write the merge into; its last name
@@ -537,8 +560,12 @@ class OutputState:
         try:
             self.roll_forward(journal)
         except OSError as error:
-            staged = os.path.join(self.path(STAGED), journal.folder, MODEL_CONFIG)
-            stopped = f"{what} stopped at {error.filename} ({error.strerror})"
+            folder = os.path.join(self.path(STAGED), journal.folder)
+            staged = os.path.join(folder, MODEL_CONFIG)
+            where = error.filename  # relative to the staging when moved from it
+            if isinstance(where, str) and not os.path.isabs(where):
+                where = os.path.join(folder, where)
+            stopped = f"{what} stopped at {where} ({error.strerror})"
             if os.path.lexists(self.out(MODEL_CONFIG)) and not os.path.lexists(staged):
                 why = f"holds the new merge, but {stopped} before it was recorded"
             else:
@@ -558,39 +585,29 @@ class OutputState:
 
         A file of OUT is removed or replaced only while it is exactly what
         the journal recorded; one that changed meanwhile is kept (and the
-        merge's file for it dropped), with a warning naming it. Likewise a
-        staged file moves only while it is exactly what was staged.
+        merge's file for it dropped), with a warning naming it. The staging
+        is checked first (`_staged_folder`).
         """
         ordered = sorted(journal.moves, key=lambda move: move[0] == MODEL_CONFIG)
-        kept, foreign = [], []
+        kept = []
         with self._staged_folder(journal) as staged:
-
-            def as_staged(name: str) -> Identity | None:
-                """The staged file's identity; None: moved in already, or absent."""
-                return None if staged is None else staged.identity(name)
-
             # config.json out first: OUT does not load as a model until the end.
             replaced = dict(journal.moves).get(MODEL_CONFIG)
             if replaced is not None and _identity(self.out(MODEL_CONFIG)) == replaced:
-                if as_staged(MODEL_CONFIG) == journal.manifest.get(MODEL_CONFIG):
+                if staged.identity(MODEL_CONFIG) is not None:
                     os.unlink(self.out(MODEL_CONFIG))
             for name, identity in journal.removals:
                 if _identity(self.out(name)) == identity:
                     os.unlink(self.out(name))
             for name, replaces in ordered:
-                staged_as = as_staged(name)
-                if staged_as is None:
+                if staged.identity(name) is None:
                     continue  # moved in by an earlier run of this journal
-                if staged_as != journal.manifest.get(name):
-                    foreign.append(name)  # not the file this publish staged
-                elif _identity(self.out(name)) in (None, replaces):
+                if _identity(self.out(name)) in (None, replaces):
                     staged.move(name, self.out(name))
                 else:
                     kept.append(name)
         _fsync(self.target)
-        manifest = {
-            n: i for n, i in journal.manifest.items() if n not in kept + foreign
-        }
+        manifest = {n: i for n, i in journal.manifest.items() if n not in kept}
         document = {"format": FORMAT, "version": VERSION, "files": manifest}
         _write_durably(self.path(MANIFEST), document)
         if not os.path.lexists(self.path(GITIGNORE)):  # OUT may be a git clone
@@ -598,14 +615,6 @@ class OutputState:
                 handle.write("# mergekit-ram's own state: never part of the model\n*\n")
         os.unlink(self.path(JOURNAL))
         _fsync(self.root)
-        if foreign:
-            LOG.warning(
-                "Left %s out of %s: the journal found there names %s its staging "
-                "no longer holds as staged (a copy or a clone?).",
-                ", ".join(foreign),
-                self.shown,
-                "a file" if len(foreign) == 1 else "files",
-            )
         if kept:
             LOG.warning(
                 "Kept %s in %s: changed while the merge was published, so the "
@@ -628,7 +637,15 @@ class OutputState:
             return
         for name in (STAGED, JOURNAL + TEMPORARY, MANIFEST + TEMPORARY):
             if os.path.lexists(self.path(name)):
-                _remove_tree(self.path(name), os.lstat(self.root).st_dev)
+                try:
+                    _remove_tree(self.path(name), os.lstat(self.root).st_dev)
+                except RecursionError:
+                    raise _refuse(
+                        self.shown,
+                        f"holds {self.path(name)}, nested deeper than any merge "
+                        "writes (it may come from a copy or a clone)",
+                        "If no merge is running into it, remove it, then run again.",
+                    ) from None
 
 
 # --- the lock -------------------------------------------------------------------
@@ -660,11 +677,15 @@ def locked(target: str, shown: str | None = None) -> Iterator[OutputState]:
     if existing is not None and hasattr(os, "geteuid"):
         owner = os.lstat(state.root).st_uid
         if owner != os.geteuid():
+            unfinished = os.path.lexists(state.path(JOURNAL))
             raise _refuse(
                 state.shown,
                 f"holds {state.root}, which belongs to another user (uid "
                 f"{owner}), who could redirect what this merge stages there",
-                "Merge as that user, or, if no merge is running into it, "
+                "Run any merge into it as that user: it finishes the publish "
+                "that user's run left unfinished."
+                if unfinished
+                else "Merge as that user, or, if no merge is running into it, "
                 "remove that folder (it holds no part of a published merge) "
                 "and run again.",
             )

@@ -65,8 +65,9 @@ def check_parameters(groups: list[Group], method: RAMMerge, problems: Problems) 
     if len(problems.found) == before:
         with problems.check():
             _check_one_value(groups, specs)
-        with problems.check():
-            _check_only_with(groups, specs)
+        for rule in ONLY_WITH:
+            with problems.check():
+                _check_only_with(groups, specs, *rule)
 
 
 def _unique_blocks(groups: list[Group]) -> Iterator[Block]:
@@ -259,20 +260,25 @@ ONLY_WITH = (
 )
 
 
-def _check_only_with(groups: list[Group], specs: Mapping[str, ParameterSpec]) -> None:
-    """A setting from ONLY_WITH set where its partner never takes the value
-    it acts with: refused, since it would be ignored."""
-    for key, partner, value, what in ONLY_WITH:
-        if any(value in _possible(specs[partner], g.blocks) for g in groups):
-            continue
-        for block in _unique_blocks(groups):
-            if key in block.settings:
-                raise RAMInputError(
-                    f"{block.where(key)}: {key} only applies with {partner}: "
-                    f"{value} ({what}), and this merge never uses it, so it would "
-                    f"be ignored. Add '{partner}: {value}' next to it, or remove "
-                    f"{key}."
-                )
+def _check_only_with(
+    groups: list[Group],
+    specs: Mapping[str, ParameterSpec],
+    key: str,
+    partner: str,
+    value: str,
+    what: str,
+) -> None:
+    """A rule of ONLY_WITH: `key` set where `partner` never takes `value` is
+    refused, since it would be ignored."""
+    if any(value in _possible(specs[partner], g.blocks) for g in groups):
+        return
+    for block in _unique_blocks(groups):
+        if key in block.settings:
+            raise RAMInputError(
+                f"{block.where(key)}: {key} only applies with {partner}: "
+                f"{value} ({what}), and this merge never uses it, so it would "
+                f"be ignored. Add '{partner}: {value}' next to it, or remove {key}."
+            )
 
 
 def _possible(spec: ParameterSpec, blocks: Iterable[Block]) -> set[Any]:
