@@ -9,6 +9,7 @@ exactly the positions and masks the sampler used.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,10 +59,17 @@ def forward_completions(model, batch, cache, completions, repeats):
         input_ids=completions,
         attention_mask=mask,
         position_ids=start + steps,
-        past_key_values=cache,
         use_cache=True,
+        **{_cache_argument(model.model): cache},
     )
     return model.lm_head(out.last_hidden_state).float()
+
+
+def _cache_argument(module) -> str:
+    """The name the model's forward takes the KV cache by: `cache` in
+    transformers 5 (which deprecates `past_key_values`), else the old one."""
+    parameters = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
