@@ -130,8 +130,8 @@ def sample(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=position,
-            past_key_values=cache,
             use_cache=True,
+            **{_cache_argument(model.model): cache},
         )
         position = position + 1
         cache = out.past_key_values
