@@ -11,6 +11,7 @@ from typing import Any
 from mergekit_ram.commands import figures
 from mergekit_ram.commands.render import REPORT_JSON, render_markdown
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.output_folder import plain_json
 from mergekit_ram.integration.statistics import strict_json
 
 REPORT_MD = "report.md"
@@ -37,15 +38,8 @@ def check_report_folder(out_dir: str) -> None:
 
 def _ours(path: str) -> bool:
     """Whether path is a report.json an analysis wrote (its own keys)."""
-    try:
-        flags = (
-            os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-        )
-        with os.fdopen(os.open(path, flags), "rb") as handle:
-            document = json.loads(handle.read(REPORT_LIMIT + 1))
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(document, dict) and {"schema_version", "verdict"} <= set(document)
+    document = plain_json(path, REPORT_LIMIT)
+    return document is not None and {"schema_version", "verdict"} <= set(document)
 
 
 def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:

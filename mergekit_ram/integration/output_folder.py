@@ -230,6 +230,25 @@ def _valid_identity(value: object) -> bool:
     )
 
 
+def _open_folder(
+    path: str, folder: int | None = None
+) -> tuple[int | str, os.stat_result]:
+    """A folder without following a link: (its descriptor where the OS can
+    pin one, else its path; what it is). A link or anything but a folder is
+    an OSError (ELOOP or ENOTDIR); `folder`: the open folder path is in."""
+    if PINNED:
+        opened = os.open(path, FOLDER_FLAGS, dir_fd=folder)
+        return opened, os.fstat(opened)
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", path)
+    return path, found
+
+
+def _not_a_folder(error: OSError) -> bool:
+    return error.errno in (errno.ELOOP, errno.ENOTDIR)
+
+
 def _remove_tree(
     path: str, device: int, folder: int | None = None, shown: str | None = None
 ) -> None:
@@ -239,20 +258,13 @@ def _remove_tree(
     links and walked by descriptor: a link swapped in meanwhile is removed
     as a link, never walked into. `shown`: path's whole name, for messages."""
     shown = shown or path
-    if PINNED:
-        try:
-            inner: int | str = os.open(path, FOLDER_FLAGS, dir_fd=folder)
-        except OSError as error:
-            if error.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            os.unlink(path, dir_fd=folder)  # a file or a link: itself
-            return
-        found = os.fstat(inner)
-    else:
-        found, inner = os.lstat(path), path
-        if not stat.S_ISDIR(found.st_mode):
-            os.unlink(path)
-            return
+    try:
+        inner, found = _open_folder(path, folder)
+    except OSError as error:
+        if not _not_a_folder(error):
+            raise
+        os.unlink(path, dir_fd=folder)  # a file or a link: itself
+        return
     try:
         if found.st_dev != device:
             raise OutputError(
@@ -260,10 +272,11 @@ def _remove_tree(
                 "it was left alone. Unmount it, then run the merge again."
             )
         for name in os.listdir(inner):
+            where = os.path.join(shown, name)
             if PINNED:
-                _remove_tree(name, device, inner, os.path.join(shown, name))
+                _remove_tree(name, device, inner, where)
             else:
-                _remove_tree(os.path.join(path, name), device)
+                _remove_tree(where, device)
     finally:
         if PINNED:
             os.close(inner)
@@ -284,22 +297,31 @@ def _may_replace(folder: os.stat_result, entry: os.stat_result) -> bool:
 # --- the state folder: lock, manifest, journal, staging -----------------------
 
 
-def _read_state(path: str) -> dict | None:
-    """A JSON document of ours at path, or None when absent or not ours
-    (a symlink, a folder, too large, not JSON, another format)."""
+def plain_json(path: str, limit: int) -> dict | None:
+    """The JSON object in the plain file at path, or None: absent, a link, a
+    folder or a FIFO (never opened), over `limit` bytes, not JSON (or nested
+    too deep for the parser), not an object. For files of ours found in a
+    user's folder, which may come from anywhere."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
         return None
-    if not stat.S_ISREG(found.st_mode) or found.st_size > STATE_LIMIT:
+    if not stat.S_ISREG(found.st_mode) or found.st_size > limit:
         return None
     try:
         handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(handle, "rb") as reader:
-            document = json.loads(reader.read(STATE_LIMIT + 1))
-    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
+            document = json.loads(reader.read(limit + 1))
+    except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
+    return document if isinstance(document, dict) else None
+
+
+def _read_state(path: str) -> dict | None:
+    """A JSON document of ours at path, or None when absent or not ours
+    (a symlink, a folder, too large, not JSON, another format)."""
+    document = plain_json(path, STATE_LIMIT)
+    if document is None or document.get("format") != FORMAT:
         return None
     return document if document.get("version") == VERSION else None
 
@@ -429,18 +451,19 @@ class OutputState:
         try:
             try:
                 for part, current in ((staging, staging), (journal.folder, path)):
+                    opened, found = _open_folder(
+                        part if PINNED else current, descriptor
+                    )
                     if PINNED:
-                        opened = os.open(part, FOLDER_FLAGS, dir_fd=descriptor)
                         if descriptor is not None:
                             os.close(descriptor)
                         descriptor = opened
-                    found = os.fstat(descriptor) if PINNED else os.lstat(current)
-                    if not stat.S_ISDIR(found.st_mode) or found.st_dev != device:
-                        raise NotADirectoryError(errno.ENOTDIR, "not ours", current)
+                    if found.st_dev != device:
+                        raise NotADirectoryError(errno.ENOTDIR, "elsewhere", current)
             except FileNotFoundError:
                 raise self._not_ours(f"its staging {current} is missing") from None
             except OSError as error:
-                if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                if not _not_a_folder(error):
                     raise
                 raise self._not_ours(
                     f"its staging {current} is a link, not a folder, or on "
