@@ -85,11 +85,11 @@ def bench_models(root: str, params: float) -> tuple[dict[str, str], int]:
 DRIVER = """
 import sys
 import mergekit_ram.integration.methods as methods
-import mergekit_ram.integration.model_locations as model_locations
+import mergekit_ram.integration.validation as validation
 def skip(*args, **kwargs):
     return None
 if sys.argv[1] == "no-headers":
-    model_locations.check_models = skip
+    validation.check_models = skip
 if sys.argv[1] == "no-output":
     methods.finite_output = skip
 from mergekit_ram.commands.cli import main

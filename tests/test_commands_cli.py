@@ -139,7 +139,7 @@ def test_analyze_epsilon_passes_the_yaml_checks(sanity_family, tmp_path, value):
     path.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
     result = CliRunner().invoke(main, ["analyze", str(path), "--epsilon", value])
     assert result.exit_code == 2, result.output
-    assert "finite number ≥ 0" in result.output
+    assert "--epsilon" in result.output and "Input should be" in result.output
 
 
 def test_version_names_both_packages():
@@ -258,21 +258,3 @@ def test_an_empty_r_value_is_refused():
     for bad in ("0,,0.1", "0.1,"):
         with pytest.raises(ValueError, match="an empty value"):
             parse_r_values(bad)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
-@pytest.mark.parametrize(
-    "flag, says",
-    [
-        ("--gpu-rich", "--gpu-rich: this machine has no cuda device"),
-        ("--read-to-gpu", "--read-to-gpu: the merge computes on the CPU"),
-    ],
-)
-def test_gpu_flags_on_a_cpu_machine_name_the_flag_typed(
-    sanity_family, tmp_path, flag, says
-):
-    config = tmp_path / "c.yml"
-    config.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
-    result = CliRunner().invoke(main, ["merge", str(config), str(tmp_path / "o"), flag])
-    assert result.exit_code == 2, result.output
-    assert says in result.output

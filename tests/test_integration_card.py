@@ -158,8 +158,15 @@ VARIANTS = [
 def test_variant_names_what_the_configuration_merges_with(
     method, parameters, name, family_f32
 ):
+    """The heading names what the plan resolved, per tensor."""
+    from mergekit.options import MergeOptions
+
+    from mergekit_ram.integration.statistics import plan_merges
+    from mergekit_ram.integration.validation import resolved_values
+
     config = family_f32.config_dict(method, parameters=parameters or None)
-    assert variant(MergeConfiguration.model_validate(config)) == name
+    merges = plan_merges(MergeConfiguration.model_validate(config), MergeOptions())
+    assert variant(resolved_values(merges)) == name
 
 
 def base_with_card(family, tmp_path, card: str | None):

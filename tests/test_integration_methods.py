@@ -25,7 +25,6 @@ from mergekit_ram.integration.install import (
     register_methods,
 )
 from mergekit_ram.integration.methods import (
-    GlobalStatisticsMissing,
     RAMMerge,
     ram,
     ramplus,
@@ -278,47 +277,30 @@ def test_base_is_required():
         merge_methods.merge_tensors([base, *tasks], "ram")
 
 
-# --- global statistics outside our entry points ---------------------------------
+# --- global statistics through mergekit's own entry points ---------------------
 
 
-def test_global_ramplus_without_statistics_raises(case):
+def test_mergekits_merge_tensors_counts_its_one_tensor(case):
+    """Issue 35: mergekit's merge_tensors with global RAM+ is whole-call RAM+,
+    here one tensor: the dense reference's λ from that tensor."""
     base, tasks = case
-    name = "model.layers.0.mlp.up_proj.weight"
-    with pytest.raises(GlobalStatisticsMissing) as error:
-        merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0, name=name)
-    message = str(error.value)
-    assert isinstance(error.value, RuntimeError)
-    assert "ramplus" in message and name in message
-    # Actionable: says what to do instead.
-    assert "statistics: tensor" in message
-    assert "unique_scale" in message
-    assert "merge_state_dicts" in message and "mergekit-yaml" in message
+    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
+    expected, _ = reference.merge({"w": base}, [{"w": t} for t in tasks], r=0.1)
+    assert torch.equal(merged, expected["w"])
 
 
-def test_global_ram_with_r_without_statistics_raises(case):
-    base, tasks = case
-    with pytest.raises(GlobalStatisticsMissing, match="statistics"):
-        merge_methods.merge_tensors(
-            [base, *tasks], "ram", parameters={"r": 0.2}, base_index=0
-        )
-
-
-def test_global_ramplus_via_mergekit_state_dicts_raises():
+def test_mergekits_merge_tensors_keeps_a_given_unique_scale():
     base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
-    models = [{"w": base}] + [{"w": t} for t in tasks]
-    with pytest.raises(GlobalStatisticsMissing, match="before w is merged"):
-        merge_methods.merge_state_dicts(models, "ramplus", base=0)
-
-
-def test_global_ramplus_partial_unique_scale_still_raises():
-    base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
-    with pytest.raises(GlobalStatisticsMissing):
-        merge_methods.merge_tensors(
-            [base, *tasks],
-            "ramplus",
-            parameters={"unique_scale": [1.5, None]},
-            base_index=0,
-        )
+    merged = merge_methods.merge_tensors(
+        [base, *tasks],
+        "ramplus",
+        parameters={"unique_scale": [1.5, None]},
+        base_index=0,
+    )
+    state = ({"w": base}, [{"w": t} for t in tasks])
+    _, lam = reference.merge(*state, r=0.1)
+    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, lam[1]])
+    assert torch.equal(merged, expected["w"])
 
 
 @pytest.mark.parametrize("saturation", ["clip", "soft"])

@@ -32,13 +32,14 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.card import shared_mode
-from mergekit_ram.integration.context import merge_run
+from mergekit_ram.integration.context import MergeRun, merge_run
 from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.statistics import (
-    count_planned,
-    plan_merges,
-    planned_settings,
+from mergekit_ram.integration.statistics import count_planned, plan_merges
+from mergekit_ram.integration.validation import (
+    Findings,
+    check_plan,
+    resolved_values,
 )
 
 PAPER_R = 0.1
@@ -62,11 +63,9 @@ class Analysis:
     shared: str | None = None
 
     @classmethod
-    def from_merge(
-        cls, config: Any, result: tuple, survival: SurvivalTally | None
-    ) -> Analysis:
+    def from_merge(cls, config: Any, run: MergeRun) -> Analysis:
         """From the (settings, statistics, scales) a RAM+ merge computed."""
-        settings, stats, scales = result
+        settings, stats, scales = run.result
         base = config.base_model
         return cls(
             config.merge_method,
@@ -74,17 +73,21 @@ class Analysis:
             settings,
             stats,
             dict(scales),
-            survival,
-            shared_mode(config),
+            run.tally,
+            shared_mode(run.values),
         )
 
 
 def resolve_settings(
-    method: str, merges: Sequence[Any], epsilon: float | None
+    method: str,
+    merges: Sequence[Any],
+    epsilon: float | None,
+    findings: Findings | None = None,
 ) -> tuple[MergeSettings, dict[Hashable, float | None]]:
-    """Settings and explicit unique_scale per model, as the merge would use them."""
+    """Settings and explicit unique_scale per model, as the merge would use
+    them (and checked as the merge checks them, `findings`' warnings with)."""
     if is_ours(method):
-        settings, explicit = planned_settings(list(merges))
+        settings, explicit = check_plan(list(merges), findings)
     else:
         settings, explicit = PAPER_DEFAULTS, {}
     if epsilon is not None:
@@ -93,7 +96,11 @@ def resolve_settings(
 
 
 def analyze_config(
-    config: Any, options: Any, *, epsilon: float | None = None
+    config: Any,
+    options: Any,
+    *,
+    epsilon: float | None = None,
+    findings: Findings | None = None,
 ) -> Analysis:
     """Plan `config` and run the statistics engine once over its tensors."""
     install()
@@ -105,7 +112,10 @@ def analyze_config(
         raise ValueError(
             "analyze needs a base_model: task vectors are measured from it"
         )
-    settings, explicit = resolve_settings(config.merge_method, merges, epsilon)
+    ours = is_ours(config.merge_method)
+    settings, explicit = resolve_settings(
+        config.merge_method, merges, epsilon, findings
+    )
     stats, scales = count_planned(
         merges,
         settings,
@@ -122,7 +132,7 @@ def analyze_config(
             settings,
             stats,
             scales,
-            shared=shared_mode(config),
+            shared=shared_mode(resolved_values(merges)) if ours else None,
         ),
         len(merges),
     )
@@ -169,7 +179,7 @@ def merge_with_analysis(
     result = run.result
     if result is not None:
         echo("Report from the statistics this merge computed (no extra pass).")
-        return require_task_vectors(Analysis.from_merge(config, result, run.tally))
+        return require_task_vectors(Analysis.from_merge(config, run))
     echo(
         "This merge needed no whole-model statistics pass (RAM with r = 0, "
         "statistics: tensor, explicit unique_scale or another method); "

@@ -20,13 +20,15 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from pydantic import ValidationError
 
 from mergekit_ram.commands.cli import COMMANDS, keep_help
-from mergekit_ram.core.errors import Problems, RAMInputError
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.install import install
-from mergekit_ram.integration.methods import is_ours
+from mergekit_ram.integration.methods import METHODS, is_ours
 from mergekit_ram.integration.validation import (
     DuplicateKey,
-    UniqueKeyLoader,
-    key_problems,
+    Findings,
+    check_config,
+    check_keys,
+    written_document,
 )
 
 
@@ -39,7 +41,6 @@ class _Command(PrettyPrintHelp):
         return text
 
 
-VALUE_LIMIT = 100_000  # YAML values after aliases are expanded; a config has hundreds
 SHOWN_LIMIT = 200  # characters of an offending value echoed back
 PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
 
@@ -51,39 +52,25 @@ def _load(
     CONFIG_FILE that is no YAML text (swapped with OUT_PATH, a folder,
     binary), bad YAML or schema is a RAMInputError."""
     source = _read_text(config_file, out_path, command)
-    loader = None
     try:
-        loader = UniqueKeyLoader(source)  # reads every character first
-        node = loader.get_single_node()
-        if node is not None and _expanded_size(node, {}) > VALUE_LIMIT:
-            raise RAMInputError(
-                f"{config_file} uses YAML aliases (*name) that expand to more "
-                f"than {VALUE_LIMIT} values, far more than any merge "
-                "configuration needs (an alias bomb?). Write the configuration "
-                "out without nesting aliases."
-            )
-        document = None if node is None else loader.construct_document(node)
+        document = written_document(source)
     except yaml.YAMLError as error:
         raise RAMInputError(_yaml_problem(config_file, error)) from error
-    finally:
-        if loader is not None:
-            loader.dispose()
     try:
         return MergeConfiguration.model_validate(document), source, document
     except ValidationError as error:
         problem = _schema_problems(error)
     except RuntimeError as error:  # mergekit's own validators raise these
         problem = str(error)
-    problems = Problems(config_file)
-    problems.add(
+    findings = Findings()
+    findings.add(
         f"{config_file} is not a valid mergekit configuration: {problem}. "
         f"{examples_hint()}"
     )
     method = document.get("merge_method") if isinstance(document, dict) else None
-    if is_ours(method):
-        for found in key_problems(document, method):
-            problems.add(found)  # a typo'd key is often why the schema failed
-    raise problems.error()
+    if is_ours(method):  # a typo'd key is often why the schema failed
+        check_keys(document, method, findings)
+    raise findings.error()
 
 
 def _read_text(config_file: str, out_path: str | None, command: str) -> str:
@@ -122,26 +109,6 @@ def examples_hint() -> str:
     folder = Path(__file__).resolve().parents[2] / "example_configs"
     where = str(folder) if folder.is_dir() else "example_configs/ in the repository"
     return f"{where} holds working RAM and RAM+ configurations."
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """How many values `node` stands for once every alias is expanded.
-
-    An alias is the same node object in several places: counting each node
-    once (memoized by identity) costs what the text costs, while the
-    expanded document can be exponentially larger.
-    """
-    if id(node) in sizes:
-        return sizes[id(node)]
-    sizes[id(node)] = VALUE_LIMIT + 1  # a recursive alias expands forever
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(item, sizes) for item in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            size += _expanded_size(key, sizes) + _expanded_size(value, sizes)
-    sizes[id(node)] = min(size, VALUE_LIMIT + 1)
-    return sizes[id(node)]
 
 
 def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
@@ -215,14 +182,11 @@ def _finite_number(
     _context: click.Context, parameter: click.Parameter, value: float | None
 ) -> float | None:
     """A number option passes the checks its YAML key does (the method's type)."""
-    from mergekit_ram.integration.methods import METHODS
-    from mergekit_ram.integration.parameter_schema import number_problem
-
     spec = next(s for s in METHODS[0].spec.parameters if s.name == parameter.name)
-    problem = None if value is None else number_problem(spec, value)
-    if problem:
-        raise click.BadParameter(f"{value!r} {problem}; it must be a finite number ≥ 0")
-    return value
+    try:
+        return None if value is None else spec.validate(value)
+    except ValidationError as error:
+        raise click.BadParameter(error.errors()[0]["msg"]) from None
 
 
 def _refuse_report_folder(config: Any, folder: str | None) -> None:
@@ -350,7 +314,6 @@ def analyze(
 ) -> None:
     from mergekit_ram.commands.analysis import analyze_config
     from mergekit_ram.commands.report import build_report
-    from mergekit_ram.integration.validation import validate_analysis
 
     sweep = None
     if r_values is not None:
@@ -362,9 +325,11 @@ def analyze(
     merge_options.apply_global_options()
     config, _source, document = _load(config_file, command="analyze")
     _refuse_report_folder(config, out_dir)
-    validate_analysis(config, merge_options, document)
+    findings = check_config(config, merge_options, document, "mergekit-ram analyze")
     try:
-        analysis = analyze_config(config, merge_options, epsilon=epsilon)
+        analysis = analyze_config(
+            config, merge_options, epsilon=epsilon, findings=findings
+        )
     except RAMInputError:
         raise
     except ValueError as error:

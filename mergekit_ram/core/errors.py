@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,18 +29,32 @@ class RAMInputError(ValueError):
         super().__init__(self.message)
 
 
+WARNINGS = 5  # listed in an error block; the rest are counted
+
+
 class Problems:
-    """Every problem of one input, reported together (one Error block, not
-    one problem per run): checks run inside `check()`, and `raise_any`
-    raises one RAMInputError listing what they found."""
+    """Every problem and warning of one input, reported together (one Error
+    block, not one problem per run): checks run inside `check()`,
+    `raise_any` raises one RAMInputError listing what they found (warnings
+    too), `emit` logs the warnings when there is no problem."""
 
     def __init__(self, subject: str) -> None:
         self.subject = subject
         self.found: list[str] = []
+        self.warnings: list[str] = []
 
     def add(self, message: str) -> None:
         if message not in self.found:
             self.found.append(message)
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+
+    def emit(self) -> None:
+        """Each warning as one log line (logging: the host decides where)."""
+        for message in self.warnings:
+            logging.getLogger("mergekit_ram").warning(paragraphs(message))
 
     @contextmanager
     def check(self) -> Iterator[None]:
@@ -51,11 +66,16 @@ class Problems:
 
     def error(self) -> RAMInputError:
         """The one error listing every problem found (there is at least one)."""
-        if len(self.found) == 1:
+        if len(self.found) == 1 and not self.warnings:
             return RAMInputError(self.found[0])
-        listed = "\n".join(f"- {problem}" for problem in self.found)
+        count = len(self.found)
+        listed = [f"- {problem}" for problem in self.found]
+        listed += [f"- warning: {warning}" for warning in self.warnings[:WARNINGS]]
+        if len(self.warnings) > WARNINGS:
+            listed.append(f"- and {len(self.warnings) - WARNINGS} more warnings")
         return RAMInputError(
-            f"{self.subject} has {len(self.found)} problems:\n{listed}"
+            f"{self.subject} has {count} problem{'s' * (count > 1)}"
+            f"{' (and warnings)' if self.warnings else ''}:\n" + "\n".join(listed)
         )
 
     def raise_any(self) -> None:

@@ -11,14 +11,10 @@ from typing import Any
 
 import huggingface_hub
 import yaml
-from mergekit import merge_methods
 from mergekit.common import ModelReference
 from mergekit.config import MergeConfiguration
 
-from mergekit_ram.integration.config_groups import groups
-from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.model_locations import model_references
-from mergekit_ram.integration.parameter_schema import _possible
+from mergekit_ram.integration.validation import model_lists
 
 
 def repository_url() -> str | None:
@@ -47,31 +43,17 @@ def where_from() -> str:
 SHARED_MODES = ("mean", "ties", "base")
 
 
-def _values(config: MergeConfiguration) -> dict[str, set[Any]]:
-    """Every value each setting the variant names takes in a RAM configuration."""
-    specs = {p.name: p for p in merge_methods.get(config.merge_method).spec.parameters}
-    values: dict[str, set[Any]] = {
-        name: set() for name in ("r", "statistics", "saturation", "shared")
-    }
-    for group in groups(config):
-        for name, found in values.items():
-            found |= _possible(specs[name], group.blocks)
-    return values
-
-
-def shared_mode(config: MergeConfiguration) -> str | None:
-    """The one `shared` mode a RAM configuration merges with (None: another
-    method, or it varies per tensor), for the verdict's advice."""
-    if not is_ours(config.merge_method):
-        return None
-    modes = _values(config)["shared"]
+def shared_mode(values: Mapping[str, set[Any]]) -> str | None:
+    """The one `shared` mode a planned RAM merge uses (None: another method,
+    or it varies per tensor), for the verdict's advice."""
+    modes = values.get("shared", set())
     return next(iter(modes)) if len(modes) == 1 else None
 
 
-def variant(config: MergeConfiguration) -> str:
-    """The RAM variant a configuration merges with, for the card's heading:
-    RAM or RAM+, the statistics scope and rule (RAM+), and `shared`."""
-    values = _values(config)
+def variant(values: Mapping[str, set[Any]]) -> str:
+    """The RAM variant a planned merge uses (each setting's values over its
+    tensors), for the card's heading: RAM or RAM+, the statistics scope and
+    rule (RAM+), and `shared`."""
 
     def one(name: str, words: Mapping[Any, str]) -> str:
         if len(values[name]) == 1:
@@ -130,12 +112,14 @@ def front_matter(card: str) -> tuple[dict[str, Any], int] | None:
     return (data, end) if isinstance(data, dict) else None
 
 
-def described_card(card: str, config: MergeConfiguration) -> str:
+def described_card(
+    card: str, config: MergeConfiguration, values: Mapping[str, set[Any]]
+) -> str:
     """mergekit's card for a RAM merge, with the variant in its Merge Method
     heading and the base model's licence in its metadata (mergekit writes
     neither)."""
     card = card.replace(
-        "### Merge Method\n", f"### Merge Method: {variant(config)}\n", 1
+        "### Merge Method\n", f"### Merge Method: {variant(values)}\n", 1
     )
     license_ = base_license(config)
     front = front_matter(card)
@@ -150,8 +134,10 @@ class _InConfigOrder(MergeConfiguration):
     """A configuration whose referenced_models() follows the configuration."""
 
     def referenced_models(self) -> list[ModelReference]:
-        found = model_references(self, groups(self))
-        position = {reference: index for index, (_, reference) in enumerate(found)}
+        position: dict[ModelReference, int] = {}
+        for _, models, _ in model_lists(self):
+            for reference in [self.base_model, *models]:
+                position.setdefault(reference, len(position))
         return sorted(
             super().referenced_models(), key=lambda m: position.get(m, len(position))
         )

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 from mergekit_ram.core.counting import LocalScales
 from mergekit_ram.core.parallel import Workers, using, workers
@@ -34,7 +35,10 @@ class MergeRun:
     `inner_products`: the caller (`merge --report`) wants the statistics pass
     to sum the task vectors' inner products too, for the report's retention;
     `workers`: the threads its chunked walks share (None outside `merge_run`);
-    `local`: what tensor-local RAM+ computed, for the card.
+    `local`: what tensor-local RAM+ computed, for the card; `findings`: the
+    configuration's warnings, for the plan-time checks to report with theirs
+    (validation); `values`: each setting's values over the planned tensors,
+    for the card.
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -45,6 +49,8 @@ class MergeRun:
     inner_products: bool = False
     workers: Workers | None = None
     local: LocalScales = field(default_factory=LocalScales)
+    findings: Any = None
+    values: dict = field(default_factory=dict)
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

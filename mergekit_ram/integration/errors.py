@@ -3,7 +3,9 @@
 Core raises RAMInputError, a plain ValueError. Stock `mergekit-yaml` is a
 click command that knows nothing of it, so the run_merge wrapper re-raises it
 as a ClickInputError, which click prints as `Error: ...` with exit code 2 and
-no traceback, and which Python callers can still catch as RAMInputError.
+no traceback, and which Python callers can still catch as RAMInputError. A
+method name mergekit does not know is an UnknownMethod: the RuntimeError
+mergekit raises for it, printed the same way.
 """
 
 from __future__ import annotations
@@ -20,3 +22,8 @@ class ClickInputError(click.ClickException, RAMInputError):
 
     def __init__(self, message: str) -> None:
         super().__init__(paragraphs(message))
+
+
+class UnknownMethod(ClickInputError, RuntimeError):
+    """`merge_method` names no method mergekit knows: the RuntimeError
+    mergekit raises for it, and our input error."""

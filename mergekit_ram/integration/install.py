@@ -3,8 +3,8 @@
 mergekit 0.1.5 has no plugin discovery and no hooks for what RAM+ needs, so
 this writes into its registry table (taking over `ram` on purpose: stock
 `ram` ignores r/alpha, ours equals it at defaults) and wraps two planner
-methods, the card generator and its hub lookup, run_merge (checks first, a
-merge that touches only its own files) and the output-config builder. Each
+methods, the card generator and its hub lookup, and run_merge (checks
+first, a merge that touches only its own files). Each
 line of PATCHES names the hook mergekit lacks that would remove it. Every
 step is idempotent and checks that the host still looks as expected, failing
 with IncompatibleMergekit otherwise rather than half-working.
@@ -13,17 +13,15 @@ with IncompatibleMergekit otherwise rather than half-working.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import _mergekit_ram_autoload as autoload
 
 SUPPORTED = "mergekit>=0.1.5,<0.2"
-LOG = logging.getLogger(__name__)
 
 
 class IncompatibleMergekit(RuntimeError):
@@ -117,15 +115,16 @@ def patch_card(merge: ModuleType) -> None:
 
     def generate_card(config, config_yaml, name=None):
         ours = is_ours(config.merge_method)
+        run = current_run()
+        values = run.values if run is not None else {}
         if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
         if ours:
-            card = described_card(card, config)
+            card = described_card(card, config, values)
         result = statistics_for_card()
         if result is not None:
-            return card + card_section(*result, shared=shared_mode(config))
-        run = current_run()
+            return card + card_section(*result, shared=shared_mode(values))
         if run is not None and run.local.tasks:
             return card + local_card_section(run.local, run.tally)
         return card
@@ -155,40 +154,6 @@ def patch_run_merge(merge: ModuleType) -> None:
         bound = getattr(module, "__dict__", {}).get("run_merge")
         if name.startswith("mergekit.") and bound is original:
             module.run_merge = merge.run_merge
-
-
-class _DtypeDeprecation(logging.Filter):
-    """Drops transformers' "`torch_dtype` is deprecated" warning, which
-    mergekit's _model_out_config triggers by setting `torch_dtype` on the
-    output config: nothing a user of mergekit could change."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "`torch_dtype` is deprecated" not in record.getMessage()
-
-
-def patch_out_config(merge: ModuleType) -> None:
-    """Silence that one warning while mergekit builds the output config.
-
-    The filter sits on transformers' configuration logger only for the call
-    (transformers logs it once per process: the first call uses up that once).
-    """
-    original = getattr(merge, "_model_out_config", None)
-    if not callable(original):
-        raise _incompatible("mergekit.merge._model_out_config is missing")
-    if hasattr(original, "__mergekit_ram__"):
-        return
-    logger = logging.getLogger("transformers.configuration_utils")
-
-    def _model_out_config(*args: Any, **kwargs: Any) -> Any:
-        quiet = _DtypeDeprecation()
-        logger.addFilter(quiet)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            logger.removeFilter(quiet)
-
-    _model_out_config.__mergekit_ram__ = original
-    merge._model_out_config = _model_out_config
 
 
 class Patch(NamedTuple):
@@ -231,12 +196,6 @@ PATCHES = (
         "merge.run_merge (and scripts that bound it): checks first, then "
         "staging and publishing inside OUT",
         "a pre-merge validation hook and an output writer that stages and publishes",
-    ),
-    Patch(
-        "mergekit.merge",
-        patch_out_config,
-        "merge._model_out_config: transformers' torch_dtype warning dropped",
-        "passing dtype, not the deprecated torch_dtype, to transformers",
     ),
 )
 

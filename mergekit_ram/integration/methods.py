@@ -28,6 +28,7 @@ from mergekit.merge_methods.base import (
     PerInputValues,
     TensorGroup,
 )
+from mergekit.merge_methods.dtype import align_dtype
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from pydantic import BeforeValidator, Field, PrivateAttr
 
@@ -37,9 +38,10 @@ from mergekit_ram.core.checks import (
     finite_output,
     from_base,
 )
-from mergekit_ram.core.counting import TaskCounts
+from mergekit_ram.core.counting import OverlapStatistics, TaskCounts
 from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
@@ -62,7 +64,7 @@ def _no_bool(value: Any) -> Any:
 
 
 # The one definition of a valid numeric RAM parameter; configuration checks
-# (integration.parameter_schema) reformat its errors.
+# (integration.validation) report its pydantic errors as they are.
 # Finiteness is checked before the sign, so NaN is reported as NaN.
 NonNegative = Annotated[
     float,
@@ -70,7 +72,7 @@ NonNegative = Annotated[
     Field(allow_inf_nan=False),
     Field(ge=0),
 ]
-# A fraction in [0, 1] (density); the upper bound is read by parameter_schema.
+# A fraction in [0, 1] (density).
 Fraction = Annotated[NonNegative, Field(le=1)]
 
 PARAMETER_HELP = {
@@ -103,10 +105,6 @@ def _survival_counter(
     return count
 
 
-class GlobalStatisticsMissing(RuntimeError):
-    """A global-scope RAM+ tensor reached the kernel without its λ."""
-
-
 @dataclass(frozen=True)
 class RAMMerge(GroupMergeMethod):
     """Reinforced Agent Merging; r = 0 is RAM, r > 0 RAM+."""
@@ -123,8 +121,13 @@ class RAMMerge(GroupMergeMethod):
         out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """mergekit casts a method's result to out_dtype after merge_group; the
-        kernel gets it instead, so the float32 result is rounded only once."""
+        kernel gets it instead, so the float32 result is rounded only once.
+        Global RAM+ without λ (mergekit's in-memory merge_tensors and
+        merge_state_dicts; a config merge's planner hook passes λ) counts
+        every group of the call first: the call's inputs are the whole model."""
         parameters = [{**p, "out_dtype": out_dtype} for p in parameters]
+        if any(_needs_statistics(p) for p in parameters):
+            parameters = _whole_call_scales(groups, parameters, input_dtypes)
         return super()._execute(
             groups,
             parameters,
@@ -159,22 +162,10 @@ class RAMMerge(GroupMergeMethod):
         rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
         scales = []
         for entry in tasks:
+            # None: λ from this tensor's own counts (statistics: tensor; a
+            # global merge always has λ here, from _execute or the planner).
             explicit = unique_scale.get(entry.id)
-            if explicit is not None:
-                scales.append(explicit)
-            elif r == 0:
-                scales.append(1.0)
-            elif statistics == "tensor":
-                scales.append(None)
-            else:
-                raise GlobalStatisticsMissing(
-                    f"{self.spec.name} with statistics: global needs whole-model "
-                    f"statistics before {group.metadata.name or 'this tensor'} is "
-                    "merged, and none were computed on this path (it bypassed the "
-                    "mergekit planner hook of mergekit-ram). Use mergekit-yaml or "
-                    "mergekit_ram.run_merge / merge_state_dicts / merge_tensors, "
-                    "set unique_scale per model, or set statistics: tensor."
-                )
+            scales.append(1.0 if explicit is None and r == 0 else explicit)
         name = group.metadata.name or "tensor"
         inputs = {entry.id: entry.tensor for entry in tasks}
         kernel, extra = {
@@ -209,6 +200,48 @@ class RAMMerge(GroupMergeMethod):
         )
         finite_output(name, base, merged, nonfinite)
         return merged
+
+
+def _needs_statistics(parameters: dict[str, Any]) -> bool:
+    """Global RAM+ with some task model's λ still unknown."""
+    unknown = None in parameters["unique_scale"].values()
+    return parameters["statistics"] == "global" and parameters["r"] > 0 and unknown
+
+
+def _whole_call_scales(
+    groups: Sequence[TensorGroup],
+    parameters: list[dict[str, Any]],
+    input_dtypes: Sequence[torch.dtype | None],
+) -> list[dict[str, Any]]:
+    """The bound parameters with each task model's λ from the statistics of
+    every group, as the merge sees them (its dtype, the `nonfinite` rule)."""
+    names = [g.metadata.name or f"tensor group {i}" for i, g in enumerate(groups)]
+    settings = MergeSettings.from_parameters(zip(names, parameters))
+    stats = OverlapStatistics(epsilon=settings.epsilon)
+    explicit: dict[Hashable, float | None] = {}
+    with torch.no_grad():
+        for name, group, params, dtype in zip(names, groups, parameters, input_dtypes):
+            for model, value in params["unique_scale"].items():
+                explicit.setdefault(model, value)
+            group = align_dtype(group, dtype)
+            if group.base is None or from_base(group.base.tensor.dtype):
+                continue
+            base = group.base.tensor
+            inputs = {entry.id: entry.tensor for entry in group.non_base}
+            nonfinite = params["nonfinite"]
+            stats.add(
+                name, base, finite_inputs(name, group.base.id, base, inputs, nonfinite)
+            )
+    scales = stats.scales(settings.rule, explicit)
+    return [
+        {
+            **params,
+            "unique_scale": PerInputValues(
+                [(model, scales.get(model, 1.0)) for model in params["unique_scale"]]
+            ),
+        }
+        for params in parameters
+    ]
 
 
 def _tally() -> SurvivalTally | None:

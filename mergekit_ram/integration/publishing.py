@@ -17,17 +17,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
+from mergekit.merge_methods import registry
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import output_conflict
-from mergekit_ram.integration.context import merge_run
+from mergekit_ram.integration.context import current_run, merge_run
 from mergekit_ram.integration.errors import ClickInputError
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.output_folder import staged_merge
 from mergekit_ram.integration.validation import (
     DuplicateKey,
-    method_problem,
-    validate_config,
+    check_config,
     written_document,
 )
 
@@ -78,23 +78,21 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
         options: Any,
         config_source: str | None = None,
     ) -> Any:
-        problem = method_problem(merge_config.merge_method)
-        if problem is not None:  # mergekit would stop with a traceback
-            try:  # a misspelling of ours: with every other problem of the file
-                validate_config(merge_config, options, written(config_source))
-            except RAMInputError as error:
-                raise ClickInputError(str(error)) from error
-            raise ClickInputError(problem)
-        if not is_ours(merge_config.merge_method):
+        method = merge_config.merge_method
+        known = method in {m.spec.name for m in registry.registered_methods()}
+        if known and not is_ours(method):
             return original(
                 merge_config, out_path, options=options, config_source=config_source
             )
 
         def check() -> None:
-            validate_config(merge_config, options, written(config_source))
+            run = current_run()
+            run.findings = check_config(merge_config, options, written(config_source))
             refuse_input_folder(merge_config, out_path)
 
         try:
+            if not known:  # refused before OUT is touched, with the file's problems
+                check_config(merge_config, options, written(config_source))
             with merge_run():
                 staged_merge(
                     out_path,

@@ -42,7 +42,7 @@ from mergekit_ram.core.counting import (
     TaskCounts,
     group_tensors,
 )
-from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.verdict import verdict_of
 from mergekit_ram.integration.card import where_from
@@ -55,6 +55,7 @@ from mergekit_ram.integration.tables import (
     percent,
     share_cells,
 )
+from mergekit_ram.integration.validation import check_plan, resolved_values
 
 LOG = logging.getLogger("mergekit_ram")
 
@@ -346,32 +347,6 @@ def collect_planned(
     return stats
 
 
-def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
-    """Each task model's `unique_scale`, which must be one value per model."""
-    found: dict[Any, tuple] = {}
-    for task in merges:
-        for model, params in task.input_parameters.items():
-            if model == base:
-                continue
-            value = params.get("unique_scale")
-            seen = found.setdefault(model, (value, task.output_weight.name))
-            if seen[0] != value:
-                raise unique_scale_error(
-                    model,
-                    f"is {seen[0]!r} for tensor {seen[1]} but {value!r} for "
-                    f"{task.output_weight.name}",
-                )
-    return {model: value for model, (value, _) in found.items()}
-
-
-def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
-    """The merge's scalar settings and each task model's explicit unique_scale."""
-    settings = MergeSettings.from_parameters(
-        (task.output_weight.name, task.parameters) for task in merges
-    )
-    return settings, explicit_scales(merges, merges[0].base_model)
-
-
 def count_planned(
     merges: list[Any],
     settings: MergeSettings,
@@ -525,17 +500,19 @@ class WriteStatistics(Task[None]):
         return True
 
 
-def scale_planned(planner: MergePlanner, run: MergeRun) -> tuple | None:
+def scale_planned(
+    planner: MergePlanner,
+    run: MergeRun,
+    settings: MergeSettings,
+    explicit: dict[Any, Any],
+) -> tuple | None:
     """Run the statistics pass for a planned RAM+ merge and rewrite its tasks.
 
     Returns (settings, statistics, scales), or None when no pass is needed.
     """
-    merges = [task for _, task in planner._tensors]
-    if not merges:
-        return None
-    settings, explicit = planned_settings(merges)
     if not settings.needs_pass(explicit.keys(), explicit):
         return None
+    merges = [task for _, task in planner._tensors]
     stats, scales = count_planned(
         merges,
         settings,
@@ -593,12 +570,17 @@ def patched_plan(original):
             # of its own, held by its tasks only.
             run = current_run() or MergeRun()
             merges = [task for _, task in self._tensors]
+            if not merges:
+                return
+            # Every rule on the resolved parameters, once, before any weight is read.
+            settings, explicit = check_plan(merges, run.findings)
+            run.values = resolved_values(merges)
             run.tally = SurvivalTally() if rescales(merges) else None
             self._tensors = [
                 (w, as_ram_task(t, w.force_dtype or self.config.out_dtype, run))
                 for w, t in self._tensors
             ]
-            run.result = scale_planned(self, run)
+            run.result = scale_planned(self, run, settings, explicit)
 
     _plan.__mergekit_ram__ = original
     return _plan
@@ -652,7 +634,6 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
     arch_info = get_architecture_info(config, options)
     loader_cache = LoaderCache()
     loader_cache.setup(options=options)
-    # Through the module attribute: install() wrapped it (patch_out_config).
     out_config = mergekit_merge._model_out_config(
         config, arch_info, trust_remote_code=options.trust_remote_code
     )

@@ -1,15 +1,21 @@
-"""Checks of a merge configuration, before any weight is read.
+"""Checks of a `ram` / `ramplus` merge, each rule in one place, before any
+weight is read.
 
-mergekit 0.1.5 checks parameter values only while planning (after every
-checkpoint's index was opened) and lets a missing model fail deep inside
-transformers or the hub client. These checks read directory listings and
-the checkpoints' headers (a few kilobytes per file), so the first problem a
-user must fix is reported as one RAMInputError paragraph before the merge
-starts: the device options, the groups' structure (`config_groups`), the
-model locations and slices' layer ranges (`model_locations`), the dtypes
-(`compute_options`) and parameters (`parameter_schema`), then every input's
-headers. They are cheap: every entry point may call them; the run_merge
-wrapper calls `validate_config`.
+Before mergekit plans (`check_config`), what needs no plan: the method name,
+every key of the YAML, each value through the method's own pydantic spec,
+which models are merged, their folders and their checkpoints' headers. Once
+mergekit has planned (`check_plan`, called by the planner hook), on the
+parameters it resolved per tensor: one value per setting under global
+statistics, one unique_scale per model, alpha only with the clip rule,
+density only with `shared: ties`, λ within the output dtype.
+
+The rule for keys (docs/errors.md): a key meant for RAM (one of our parameter
+names or a near miss of one, wherever it stands, or a misspelled
+`parameters:`) is an error; a key RAM ignores, as stock mergekit ignores it
+(another method's parameter, a key no method knows), is a warning line and
+the merge runs as stock would. A file's errors and warnings are reported
+together: errors as one block that lists the warnings too, warnings alone as
+one log line each once the plan is checked.
 """
 
 from __future__ import annotations
@@ -18,134 +24,459 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any
 
+import torch
 import yaml
-from mergekit.common import ModelReference
+from mergekit.common import ModelReference, dtype_from_name
 from mergekit.config import ConditionalParameter, MergeConfiguration
 from mergekit.merge_methods import registry
+from mergekit.merge_methods.base import ParameterScope
 from mergekit.options import MergeOptions
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from mergekit_ram.core.errors import Problems, RAMInputError
-from mergekit_ram.integration.compute_options import check_device, check_dtypes
-from mergekit_ram.integration.config_groups import check_group, check_one_base, groups
-from mergekit_ram.integration.methods import METHODS, is_ours
+from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+from mergekit_ram.integration.checkpoints import check_models, first_duplicate
+from mergekit_ram.integration.errors import UnknownMethod
+from mergekit_ram.integration.methods import METHODS, RAMMerge, is_ours
 from mergekit_ram.integration.model_locations import (
-    check_headers,
+    architecture_names,
     check_layer_ranges,
     check_location,
-    check_reference,
-    model_references,
+    local,
 )
-from mergekit_ram.integration.parameter_schema import (
-    check_output_range,
-    check_parameters,
+
+RESCALE_FACTOR_HINT = (
+    "The authors' --rescale_factor R is r = R − 1 here: their arm-r-v2 is "
+    "r: R − 1 with alpha: 1, their arm-r is r: R − 1 with saturation: soft "
+    "(R = 1.2 is r: 0.2)."
 )
 
 
-def validate_config(
+class Findings(Problems):
+    """A configuration's problems and warnings, and where the user wrote
+    each of our parameters (`written`: key → its first place), which the
+    plan-time rules about settings that act only beside another need."""
+
+    def __init__(self) -> None:
+        super().__init__("The configuration")
+        self.written: dict[str, str] = {}
+
+
+# --- before planning ----------------------------------------------------------
+
+
+def check_config(
     config: MergeConfiguration,
     options: MergeOptions | None = None,
     document: Any = None,
-) -> None:
-    """Refuse a `ram` / `ramplus` merge the user must fix; other methods pass,
-    unless mergekit does not know the method at all.
+    user: str | None = None,
+) -> Findings:
+    """Refuse what the user must fix in a RAM merge (or, with `user` set, in
+    what `mergekit-ram analyze` measures, for any method: then the keys and
+    parameters are checked only for ours); returns the warnings for
+    `check_plan`. A method mergekit does not know raises UnknownMethod (a
+    RuntimeError, as mergekit raises) listing every problem of the file.
 
-    `document` is the YAML as written, where there is one: its keys are
-    checked too (mergekit drops the ones it does not read). Raises one
-    RAMInputError listing every problem, each naming the key or model and
-    the fix.
+    `document` is the YAML as written (mergekit drops keys it does not read);
+    without it the configuration's own fields are checked.
     """
-    problem, method = _method(config.merge_method)
+    findings = Findings()
+    method = _method(config.merge_method, findings)
     if is_ours(method):
-        _validate(config, options, f"merge_method {method}", document, method, problem)
+        if document is None:
+            document = config.model_dump(mode="json", exclude_none=True)
+        check_keys(document, method, findings)
+    elif user is None and not findings.found:
+        return findings  # another method's merge: mergekit's to check
+    user = user or f"merge_method {method}"
+    with findings.check():
+        _check_models(config, options, user, findings)
+    if findings.found:
+        error = findings.error()
+        raise UnknownMethod(error.message) if method != config.merge_method else error
+    return findings
 
 
-def validate_analysis(
-    config: MergeConfiguration,
-    options: MergeOptions | None = None,
-    document: Any = None,
-) -> None:
-    """Refuse what `mergekit-ram analyze` cannot measure, for any merge method.
-
-    The models must exist and form base + task models; the parameters and
-    keys are only checked for our methods, whose r / alpha / saturation
-    analyze uses; a method mergekit does not know is refused.
-    """
-    problem, method = _method(config.merge_method)
-    _validate(config, options, "mergekit-ram analyze", document, method, problem)
-
-
-def _method(method: Any) -> tuple[str | None, str]:
-    """(why mergekit would not know `merge_method`, the method to check the
-    rest of the file as): a misspelling of ours is checked as the method it
-    means, so its problem is reported with every other one; any other
-    unknown name is refused alone."""
-    problem = method_problem(method)
-    if problem is None:
-        return None, method
-    meant = _closest(str(method), [m.spec.name for m in METHODS])
-    if meant is None or _closest(str(method), _known_methods()) != meant:
-        raise RAMInputError(problem)
-    return problem, meant
+def _method(name: Any, findings: Findings) -> str:
+    """The method to check the file as: a misspelling of ours is checked as
+    the method it means, so it is reported with every other problem; any
+    other unknown name is refused alone."""
+    known = sorted(m.spec.name for m in registry.registered_methods())
+    if name in known:
+        return name
+    close = _closest(str(name), known)
+    hint = f"Did you mean '{close}'?" if close else "RAM and RAM+ are ram, ramplus."
+    message = (
+        f"merge_method: {name!r} is not a merge method mergekit knows. {hint} "
+        f"Methods: {', '.join(known)}."
+    )
+    if not is_ours(close):
+        raise UnknownMethod(message)
+    findings.add(message)
+    return close
 
 
-def _validate(
+def _ours(name: str) -> RAMMerge:
+    return next(m for m in METHODS if m.spec.name == name)
+
+
+def _check_models(
     config: MergeConfiguration,
     options: MergeOptions | None,
     user: str,
-    document: Any,
-    method_name: str,
-    method_error: str | None,
+    findings: Findings,
 ) -> None:
-    """Every check, each problem kept: the user fixes them all in one go.
-    The headers are read only once the rest is right (they need the models)."""
-    problems = Problems("The configuration")
-    if method_error is not None:
-        problems.add(method_error)
-    ours = is_ours(method_name)
-    if ours and document is not None:
-        for problem in key_problems(document, method_name):
-            problems.add(problem)
-    with problems.check():
-        check_device(options)
-    found = groups(config)
-    for group in found:
-        with problems.check():
-            check_group(group, user)
-    with problems.check():
-        check_one_base(config.base_model, found, user)
-    cache_dir = options.transformers_cache if options is not None else None
-    for role, reference in model_references(config, found):
-        with problems.check():
-            check_reference(reference, role, cache_dir)
-    tokenizer = config.tokenizer.source if config.tokenizer else None
-    for role, source in (
-        ("tokenizer_source", config.tokenizer_source),
-        ("tokenizer.source", tokenizer),
-    ):
+    """Base and task models, their folders, then (all else right) headers."""
+    bases = [("base_model", config.base_model)] + [
+        (label, base) for label, _, base in model_lists(config) if base is not None
+    ]
+    if not bases[0][1] and len(bases) == 1:
+        raise RAMInputError(
+            f"{user} needs a base_model: the model the task models were "
+            "fine-tuned from, which every task vector is measured against. Add "
+            "'base_model: path/to/base' to the configuration."
+        )
+    base = next(reference for _, reference in bases if reference is not None)
+    for label, other in bases[1:]:
+        if other != base:
+            findings.add(
+                f"{label}: its base model {other} differs from {base}, the "
+                f"base_model. {user} measures every task vector against one base "
+                "model, the one the task models were fine-tuned from: remove "
+                "that slice's base_model, or make it the same."
+            )
+    lists = [(label, entries) for label, entries, _ in model_lists(config)]
+    for label, entries in lists:
+        with findings.check():
+            _check_list(label, entries, base, user)
+    roles = [("base_model", base)] + [
+        (f"{_item(label, i)}.model", m) for label, e in lists for i, m in enumerate(e)
+    ]
+    seen: set[ModelReference] = set()
+    for role, reference in roles:
+        if reference not in seen:
+            seen.add(reference)
+            with findings.check():
+                check_location(reference.model.path, role, model=True)
+                if reference.lora is not None:
+                    check_location(reference.lora.path, f"{role} (LoRA)")
+    for role in ("tokenizer_source", "tokenizer"):
+        source = getattr(config, role)
+        source = getattr(source, "source", source)
         if isinstance(source, ModelReference):
-            with problems.check():
-                check_location(source.model, role, cache_dir, model=False)
-    with problems.check():
+            with findings.check():
+                check_location(source.model.path, role)
+    with findings.check():
         check_layer_ranges(config)
-    if ours:
-        with problems.check():
-            check_dtypes(config)
-        method = next(m for m in METHODS if m.spec.name == method_name)
-        check_parameters(found, method, problems)
-        if not problems.found:
-            with problems.check():
-                check_output_range(config, found, method)
-    if not problems.found:
-        with problems.check():
-            check_headers(config, found, options)
-    problems.raise_any()
+    for key in ("dtype", "out_dtype"):
+        with findings.check():
+            _check_dtype(key, getattr(config, key))
+    if findings.found:
+        return
+    free = bool(config.tokenizer_source or config.tokenizer)
+    free = free or bool(options and options.unsafe_truncate_embeddings)
+    for label, entries, _ in model_lists(config):
+        tasks = [
+            (f"{_item(label, i)}.model", m.model.path)
+            for i, m in enumerate(entries)
+            if m != base and local(m)
+        ]
+        if local(base):
+            check_models(
+                ("base_model", base.model.path),
+                tasks,
+                compare=not label.endswith("]"),
+                vocabulary_free=free,
+                read=partial(architecture_names, base, options),
+            )
 
 
-# --- keys mergekit would silently ignore, and method names it does not know -----
+def model_lists(
+    config: MergeConfiguration,
+) -> Iterator[tuple[str, list[ModelReference], ModelReference | None]]:
+    """Each list of models merged together, in the configuration's order:
+    (its label, its models, a slice's own base_model or None)."""
+    yield from _lists("", config.models, config.slices)
+    for name, module in (config.modules or {}).items():
+        yield from _lists(f"modules.{name}.", module.models, module.slices)
+
+
+def _lists(prefix: str, models: Any, slices: Any) -> Iterator[tuple]:
+    if models:
+        yield f"{prefix}models", [entry.model for entry in models], None
+    for index, output in enumerate(slices or ()):
+        sources = [source.model for source in output.sources]
+        yield f"{prefix}slices[{index}]", sources, output.base_model
+
+
+def _item(label: str, index: int) -> str:
+    """How the YAML spells a list's entry: models[1], slices[0].sources[1]."""
+    return f"{label}.sources[{index}]" if label.endswith("]") else f"{label}[{index}]"
+
+
+def _check_list(
+    label: str, models: list[ModelReference], base: ModelReference, user: str
+) -> None:
+    """Each model once (however spelled), a slice lists its base, and at
+    least one task model."""
+    if label.endswith("]") and base not in models:
+        raise RAMInputError(
+            f"{label}: the base model {base} is not among "
+            "its sources, and mergekit needs it there for a slice: add it as a "
+            "source with the same layer_range as the others."
+        )
+    for index, model in enumerate(models):
+        if model in models[:index]:
+            raise RAMInputError(
+                f"{_item(label, index)}: model {model} is already listed as "
+                f"{_item(label, models.index(model))}. List each model once (the "
+                "base model may appear once among the models)."
+            )
+    duplicate = first_duplicate(
+        [("base_model", base.model.path)]
+        + [(_item(label, i), m.model.path) for i, m in enumerate(models) if m != base]
+    )
+    if duplicate is not None:
+        (first, path), (where, again) = duplicate
+        raise RAMInputError(
+            f"{where}: {again} is the same folder as {first} {path} (after "
+            "resolving symlinks and '..'), so it would be counted twice. List "
+            "each model once, spelled the same way everywhere."
+        )
+    if all(model == base for model in models):
+        raise RAMInputError(
+            f"{user} needs at least one task model besides the base model "
+            f"{base} in {label}: list the fine-tuned models to merge."
+        )
+
+
+def _check_dtype(key: str, name: str | None) -> None:
+    """RAM computes task vectors in floating point."""
+    try:
+        if name is None or dtype_from_name(name).is_floating_point:
+            return
+        problem = "is not a floating-point dtype"
+    except RuntimeError as error:
+        problem = f"is not a dtype mergekit knows ({error})"
+    raise RAMInputError(
+        f"{key}: {name!r} {problem}. RAM computes task vectors in floating "
+        "point: write one of bfloat16, float16, float32, float64."
+    )
+
+
+# --- keys and values ------------------------------------------------------------
+
+
+def check_keys(document: Any, method: str, findings: Findings) -> None:
+    """Every key of a RAM configuration's YAML, every value of ours."""
+    base = document.get("base_model") if isinstance(document, dict) else None
+    _keys(document, MergeConfiguration, "", _ours(method), base, findings)
+
+
+def _keys(
+    value: Any,
+    schema: type[BaseModel],
+    where: str,
+    method: RAMMerge,
+    base: Any,
+    findings: Findings,
+) -> None:
+    if not isinstance(value, dict):
+        return
+    fields = schema.model_fields
+    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    base = value.get("base_model", base)
+    for key, item in value.items():
+        label = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            _unread_key(label, str(key), known, where, method, findings)
+        elif key == "parameters" and isinstance(item, dict):
+            model = value.get("model") if "model" in fields else None
+            _parameters(item, label, model, model == base, method, findings)
+        elif (inner := _schema_of(fields[key].annotation)) is not None:
+            kind, model = inner
+            if kind == "list" and isinstance(item, list):
+                for index, element in enumerate(item):
+                    _keys(element, model, f"{label}[{index}]", method, base, findings)
+            elif kind == "dict" and isinstance(item, dict):
+                for name, element in item.items():
+                    _keys(element, model, f"{label}.{name}", method, base, findings)
+            elif kind == "one":
+                _keys(item, model, label, method, base, findings)
+
+
+def _schema_of(annotation: Any) -> tuple[str, type[BaseModel]] | None:
+    """The one nested section model an annotation holds, and how: 'one',
+    'list' or 'dict' (None: a plain value, a model reference, a union)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _schema_of(inner[0]) if len(inner) == 1 else None
+    if origin in (list, tuple, dict):
+        found = _schema_of(typing.get_args(annotation)[-1])
+        kind = "dict" if origin is dict else "list"
+        return (kind, found[1]) if found and found[0] == "one" else None
+    plain = (ModelReference, ConditionalParameter)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return None if issubclass(annotation, plain) else ("one", annotation)
+    return None
+
+
+def _unread_key(
+    label: str,
+    key: str,
+    known: set[str],
+    where: str,
+    method: RAMMerge,
+    findings: Findings,
+) -> None:
+    """A key mergekit's schema does not read here (pydantic drops it)."""
+    ours = [spec.name for spec in method.spec.parameters]
+    meant = key if key in ours else _closest(key, ours)
+    others = _other_parameters()
+    ignored = f"{label}: mergekit does not read '{key}' here and"
+    if "parameters" in known and meant and (meant == key or key not in others):
+        place = f"{where}.parameters" if where else "parameters"
+        spelled = "" if meant == key else f" (did you mean '{meant}'?)"
+        findings.add(
+            f"{ignored} would ignore it. It is a {method.spec.name} parameter"
+            f"{spelled}: write it under {place}."
+        )
+    elif "parameters" in known and _closest(key, ["parameters"]):
+        findings.add(f"{ignored} would ignore it. Did you mean 'parameters'?")
+    else:
+        close = _closest(key, known)
+        hint = f"; did you mean '{close}'?" if close else "."
+        findings.warn(f"{ignored} ignores it{hint}")
+
+
+def _parameters(
+    block: dict,
+    label: str,
+    model: Any,
+    on_base: bool,
+    method: RAMMerge,
+    findings: Findings,
+) -> None:
+    """One `parameters:` mapping: our keys in their place with valid values,
+    any other key classified by `_other_key`."""
+    specs = {spec.name: spec for spec in method.spec.parameters}
+    for key, setting in block.items():
+        where = f"{label}.{key}" + ("" if model is None else f" (model {model})")
+        spec = specs.get(key)
+        if spec is None:
+            _other_key(where, str(key), method, findings)
+            continue
+        if model is not None and spec.scope == ParameterScope.SHARED:
+            if key in _other_parameters(per_model=True):
+                _other_key(where, str(key), method, findings)  # e.g. TIES' density
+            else:
+                findings.add(
+                    f"{where}: '{key}' applies to the whole merge, and mergekit "
+                    "ignores it under one model. Move it to the top-level "
+                    "parameters."
+                )
+            continue
+        findings.written.setdefault(key, where)
+        if on_base and spec.scope == ParameterScope.NON_BASE:
+            findings.add(
+                f"{where}: the base model has no task vector to scale, and "
+                f"mergekit ignores {key} on it. Remove it, or set it on a task model."
+            )
+        elif _empty(setting):
+            findings.add(
+                f"{where}: an empty list gives {key} no value, and mergekit "
+                "would silently use the default. Write a value or remove the key."
+            )
+        for value in _leaves(setting):
+            try:
+                spec.validate(value)
+            except ValidationError as error:
+                findings.add(f"{where}: {error.errors()[0]['msg']} (got {value!r}).")
+
+
+def _other_key(where: str, key: str, method: RAMMerge, findings: Findings) -> None:
+    """A parameter name that is not ours: a near miss of ours is an error,
+    another method's parameter or an unknown name a warning."""
+    ours = [spec.name for spec in method.spec.parameters]
+    others = _other_parameters().get(key)
+    meant = _closest(key, ours)
+    if others and len(others) > 3:
+        others = [*others[:2], f"and {len(others) - 2} others"]
+    if key == "rescale_factor":
+        findings.add(
+            f"{where}: {method.spec.name} has no parameter '{key}'. "
+            f"{RESCALE_FACTOR_HINT}"
+        )
+    elif others:
+        findings.warn(
+            f"{where}: {method.spec.name} does not use '{key}' here (a parameter "
+            f"of {', '.join(others)}); it is ignored, as stock mergekit ignores it."
+        )
+    elif meant:
+        findings.add(
+            f"{where}: {method.spec.name} has no parameter '{key}'. Did you "
+            f"mean '{meant}'? Its parameters: {', '.join(ours)}."
+        )
+    else:
+        close = _closest(key, _other_parameters())
+        hint = f"; did you mean '{close}'?" if close else "."
+        findings.warn(
+            f"{where}: no mergekit method has a parameter '{key}', so it is "
+            f"ignored{hint}"
+        )
+
+
+def _other_parameters(per_model: bool = False) -> dict[str, list[str]]:
+    """Each parameter name of a method that is not ours → those methods
+    (`per_model`: only where the method reads it per model)."""
+    names: dict[str, list[str]] = {}
+    for method in registry.registered_methods():
+        if not is_ours(method.spec.name):
+            for spec in method.spec.parameters:
+                if not per_model or spec.scope != ParameterScope.SHARED:
+                    names.setdefault(spec.name, []).append(method.spec.name)
+    return names
+
+
+def _leaves(setting: Any) -> Iterator[Any]:
+    """The scalar values a written setting holds (inside filters, gradients)."""
+    if isinstance(setting, (dict, ConditionalParameter)):
+        inner = setting.get("value") if isinstance(setting, dict) else setting.value
+        yield from _leaves(inner)
+    elif isinstance(setting, list):
+        for item in setting:
+            yield from _leaves(item)
+    else:
+        yield setting
+
+
+def _empty(setting: Any) -> bool:
+    """An empty list anywhere in a setting (a gradient or filter value)."""
+    if isinstance(setting, dict):
+        return _empty(setting.get("value"))
+    if isinstance(setting, list):
+        return not setting or any(_empty(item) for item in setting)
+    return False
+
+
+def _closest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice `name` most likely means: the same letters in another case
+    or with `+`/`_`/`-` written differently, else the closest spelling."""
+    folded = {_fold(choice): choice for choice in choices}
+    if _fold(name) in folded:
+        return folded[_fold(name)]
+    close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.7)
+    return folded[close[0]] if close else None
+
+
+def _fold(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower().replace("+", "plus"))
 
 
 class DuplicateKey(yaml.constructor.ConstructorError):
@@ -188,108 +519,102 @@ def written_document(text: str) -> Any:
         loader.dispose()
 
 
-def key_problems(document: Any, method: str) -> list[str]:
-    """Every key of a configuration's YAML that mergekit's schema does not
-    read (pydantic drops it without a word): a typo, or a setting in the
-    wrong place. `method` names ours in the messages."""
+# --- on mergekit's plan ------------------------------------------------------------
 
-    specs = {
-        s.name for m in METHODS if m.spec.name == method for s in m.spec.parameters
-    }
-    return list(_unknown_keys(document, MergeConfiguration, "", specs))
+# Settings that act only beside another one's value: (key, partner, value,
+# what it does, whether setting it alone is an error). `density` is also other
+# methods' parameter, so stock mergekit users write it: a warning.
+ONLY_WITH = (
+    ("density", "shared", "ties", "TIES on the shared elements", False),
+    ("alpha", "saturation", "clip", "the clip rule's cap on S/U", True),
+)
 
 
-def _unknown_keys(
-    value: Any, schema: type[BaseModel], where: str, parameters: set[str]
-) -> Iterator[str]:
-    if not isinstance(value, dict):
-        return
-    fields = schema.model_fields
-    known = set(fields) | {f.alias for f in fields.values() if f.alias}
-    for key, item in value.items():
-        label = f"{where}.{key}" if where else str(key)
-        if key not in known:
-            yield _unknown_key(label, str(key), known, parameters, where)
-            continue
-        if key == "parameters":
-            continue  # each parameter is checked against the method's spec
-        inner = _schema_of(fields[key].annotation)
-        if inner is None:
-            continue
-        kind, model = inner
-        if kind == "list" and isinstance(item, list):
-            for index, element in enumerate(item):
-                yield from _unknown_keys(
-                    element, model, f"{label}[{index}]", parameters
+def resolved_values(merges: Iterable[Any]) -> dict[str, set[Any]]:
+    """Every value each shared parameter takes over the planned merge tasks."""
+    values: dict[str, set[Any]] = {}
+    for task in merges:
+        for key, value in task.parameters.items():
+            values.setdefault(key, set()).add(value)
+    return values
+
+
+def check_plan(
+    merges: list[Any], findings: Findings | None = None
+) -> tuple[MergeSettings, dict[Any, float | None]]:
+    """The rules on mergekit's resolved parameters, with the configuration's
+    earlier warnings: every error in one block, else each warning logged.
+    Returns the merge's settings and each task model's explicit unique_scale."""
+    findings = findings or Findings()
+    result = None
+    with findings.check():
+        result = planned_settings(merges)
+    values = resolved_values(merges)
+    for key, partner, value, what, refused in ONLY_WITH:
+        if key in findings.written and value not in values.get(partner, ()):
+            message = (
+                f"{findings.written[key]}: {key} only applies with {partner}: "
+                f"{value} ({what}), and this merge never uses it, so it "
+                f"{'would be' if refused else 'is'} ignored. Add '{partner}: "
+                f"{value}' next to it, or remove {key}."
+            )
+            findings.add(message) if refused else findings.warn(message)
+    with findings.check():
+        _check_range(merges)
+    findings.raise_any()
+    findings.emit()
+    return result
+
+
+def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
+    """Each task model's `unique_scale`, which must be one value per model."""
+    found: dict[Any, tuple] = {}
+    for task in merges:
+        for model, params in task.input_parameters.items():
+            if model == base:
+                continue
+            value = params.get("unique_scale")
+            seen = found.setdefault(model, (value, task.output_weight.name))
+            if seen[0] != value:
+                raise unique_scale_error(
+                    model,
+                    f"is {seen[0]!r} for tensor {seen[1]} but {value!r} for "
+                    f"{task.output_weight.name}",
                 )
-        elif kind == "dict" and isinstance(item, dict):
-            for name, element in item.items():
-                yield from _unknown_keys(element, model, f"{label}.{name}", parameters)
-        elif kind == "one":
-            yield from _unknown_keys(item, model, label, parameters)
+    return {model: value for model, (value, _) in found.items()}
 
 
-def _schema_of(annotation: Any) -> tuple[str, type[BaseModel]] | None:
-    """The one nested section model an annotation holds, and how: 'one',
-    'list' or 'dict' (None: a plain value, a model reference, a union)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _schema_of(inner[0]) if len(inner) == 1 else None
-    if origin in (list, tuple):
-        found = _schema_of(typing.get_args(annotation)[0])
-        return ("list", found[1]) if found and found[0] == "one" else None
-    if origin is dict:
-        found = _schema_of(typing.get_args(annotation)[1])
-        return ("dict", found[1]) if found and found[0] == "one" else None
-    plain = (ModelReference, ConditionalParameter)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return None if issubclass(annotation, plain) else ("one", annotation)
-    return None
-
-
-def _unknown_key(
-    label: str, key: str, known: set[str], parameters: set[str], where: str
-) -> str:
-    ignored = f"{label}: mergekit does not read '{key}' here and would ignore it"
-    if key in parameters and "parameters" in known:
-        place = f"{where}.parameters" if where else "parameters"
-        return f"{ignored}. It is a merge parameter: write it under {place}."
-    close = _closest(key, known)
-    hint = f"Did you mean '{close}'?" if close else "Remove it."
-    return f"{ignored}. {hint} Keys read here: {', '.join(sorted(known))}."
-
-
-def _closest(name: str, choices: typing.Iterable[str]) -> str | None:
-    """The choice `name` most likely means: the same letters in another case
-    or with `+`/`_`/`-` written differently, else the closest spelling."""
-    folded = {_fold(choice): choice for choice in choices}
-    if _fold(name) in folded:
-        return folded[_fold(name)]
-    close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.7)
-    return folded[close[0]] if close else None
-
-
-def _fold(name: str) -> str:
-    return re.sub(r"[\s_\-]", "", name.lower().replace("+", "plus"))
-
-
-def _known_methods() -> list[str]:
-    return sorted(m.spec.name for m in registry.registered_methods())
-
-
-def method_problem(method: Any) -> str | None:
-    """Why mergekit would fail on `merge_method` (None: it knows the method).
-
-    mergekit looks the name up only while planning and stops with a
-    traceback; a name close to one it knows gets a suggestion."""
-    known = _known_methods()
-    if method in known:
-        return None
-    close = _closest(str(method), known)
-    ours = ", ".join(m.spec.name for m in METHODS)
-    hint = f"Did you mean '{close}'?" if close else f"RAM and RAM+ are {ours}."
-    return (
-        f"merge_method: {method!r} is not a merge method mergekit knows. {hint} "
-        f"Methods: {', '.join(known)}."
+def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
+    """The merge's scalar settings and each task model's explicit unique_scale."""
+    settings = MergeSettings.from_parameters(
+        (task.output_weight.name, task.parameters) for task in merges
     )
+    return settings, explicit_scales(merges, merges[0].base_model)
+
+
+def _check_range(merges: Iterable[Any]) -> None:
+    """λ must fit the output dtype (and float32, the kernel's): a λ beyond it
+    turns every unique element into ±Inf."""
+    checked = set()
+    for task in merges:
+        name = task.out_dtype or task.dtype or "float32"
+        params = task.parameters
+        scales = tuple(
+            values.get("unique_scale") for values in task.input_parameters.values()
+        )
+        key = (name, params["r"], params["alpha"], params["saturation"], scales)
+        if key in checked:
+            continue
+        checked.add(key)
+        dtype = dtype_from_name(name)
+        limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
+        rule = ScaleRule(r=params["r"], alpha=params["alpha"], saturation=key[3])
+        top = max([rule.limit(), *(s for s in scales if s is not None)])
+        if top > limit:
+            raise RAMInputError(
+                f"r = {params['r']:g} with alpha = {params['alpha']:g} (or a "
+                f"unique_scale) allows λ up to {top:g}, beyond the largest {name} "
+                f"value the output can hold ({limit:g}): every element that one "
+                "task model alone changes would be written as ±Inf. Lower r, "
+                "alpha or unique_scale, or write a wider dtype (out_dtype)."
+            )
