@@ -730,11 +730,18 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "density-and-alpha-both-ignored",
-        "`density` without ties and `alpha` with the soft rule, in one file",
+        "`density` without ties, `alpha` with the soft rule and a model's "
+        "`weight`, in one file",
         lambda ws: ws.config(
-            parameters={"saturation": "soft", "alpha": 5.0, "density": 0.2}
+            parameters={"saturation": "soft", "alpha": 5.0, "density": 0.2},
+            models=[ws.task("alpha", weight=1.0)],
         ),
-        ("has 1 problem (and warnings)", "alpha only applies", "density only"),
+        (
+            "has 1 problem (and warnings)",
+            "alpha only applies",
+            "warning: parameters.density: density only",
+            "warning: models[0].parameters.weight",
+        ),
         stage="plan",
     ),
     Case(

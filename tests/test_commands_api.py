@@ -601,3 +601,31 @@ def test_run_merge_takes_a_bytes_path(family_f32, tmp_path):
         config, os.fsencode(tmp_path / "out"), MergeOptions(quiet=True)
     )
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_mergekit_multi_merges_global_ramplus(family_f32, tmp_path):
+    """mergekit-multi runs each stage through mergekit's run_merge: a ramplus
+    stage gets whole-model λ, the same as ours."""
+    from click.testing import CliRunner
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+    from mergekit.scripts.multimerge import main as mergekit_multi
+
+    mergekit_ram.install()
+    document = family_f32.config_dict("ramplus", parameters={"r": 0.2})
+    config = tmp_path / "multi.yml"
+    config.write_text(yaml.safe_dump({"name": "final", **document}))
+    stages = tmp_path / "stages"
+    result = CliRunner().invoke(
+        mergekit_multi, [str(config), "-I", str(stages), "--quiet"]
+    )
+    assert result.exit_code == 0, result.output
+    ours = tmp_path / "ours"
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(document), str(ours), MergeOptions(quiet=True)
+    )
+    for name in ("model.safetensors", "ram_statistics.json"):
+        found = [p for p in stages.rglob(name)]
+        assert len(found) == 1, list(stages.rglob("*"))
+        if name.endswith(".safetensors"):
+            assert found[0].read_bytes() == (ours / name).read_bytes()
