@@ -237,7 +237,10 @@ def _whole_call_scales(
         {
             **params,
             "unique_scale": PerInputValues(
-                [(model, scales.get(model, 1.0)) for model in params["unique_scale"]]
+                [
+                    (model, scales.get(model, 1.0) if value is None else value)
+                    for model, value in params["unique_scale"].items()
+                ]
             ),
         }
         for params in parameters
