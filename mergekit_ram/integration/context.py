@@ -34,7 +34,9 @@ class MergeRun:
     `inner_products`: the caller (`merge --report`) wants the statistics pass
     to sum the task vectors' inner products too, for the report's retention;
     `workers`: the threads its chunked walks share (None outside `merge_run`);
-    `local`: what tensor-local RAM+ computed, for the card.
+    `local`: what tensor-local RAM+ computed, for the card;
+    `card_name`: the name mergekit would give the card (OUT's last name),
+    since mergekit writes into our staging folder.
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -45,6 +47,7 @@ class MergeRun:
     inner_products: bool = False
     workers: Workers | None = None
     local: LocalScales = field(default_factory=LocalScales)
+    card_name: str | None = None
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -117,6 +117,9 @@ def patch_card(merge: ModuleType) -> None:
 
     def generate_card(config, config_yaml, name=None):
         ours = is_ours(config.merge_method)
+        run = current_run()
+        if run is not None and run.card_name is not None:
+            name = run.card_name  # OUT's name, not our staging folder's
         if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
@@ -125,7 +128,6 @@ def patch_card(merge: ModuleType) -> None:
         result = statistics_for_card()
         if result is not None:
             return card + card_section(*result, shared=shared_mode(config))
-        run = current_run()
         if run is not None and run.local.tasks:
             return card + local_card_section(run.local, run.tally)
         return card

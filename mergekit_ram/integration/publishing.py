@@ -13,6 +13,7 @@ nothing outlives it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -95,7 +96,8 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
             refuse_input_folder(merge_config, out_path)
 
         try:
-            with merge_run():
+            with merge_run() as run:
+                run.card_name = os.path.basename(out_path)  # as stock names it
                 staged_merge(
                     out_path,
                     lambda staged: original(
