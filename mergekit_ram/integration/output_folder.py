@@ -279,7 +279,7 @@ def _locked(target: str, out: str) -> Iterator[None]:
     held = FileLock(lock, blocking=False)
     try:
         held.acquire()
-    except (Timeout, FileNotFoundError) as error:  # lost a race with our folder too
+    except Timeout as error:
         raise OutputError(
             f"Another merge is writing into {out} right now (it holds {lock}). "
             "Wait for it to finish, or choose another output folder."
@@ -313,8 +313,9 @@ def staged_merge(
     Under OUT's lock: leftover staging removed, `check()`, a weight file in
     the way of every layout refused, write, publish. Whatever fails, the
     staging goes, folders this run made go while empty, and the error says
-    where OUT stands: a RAMInputError as it is, any other Exception as an
-    OutputError naming it, Ctrl-C, SIGTERM and SIGHUP with one line.
+    where OUT stands: a RAMInputError as it is, any other Exception (but an
+    AssertionError) as an OutputError naming it, Ctrl-C, SIGTERM and SIGHUP
+    with one line.
     """
     target = resolve_output(out_path)
     made, progress = _missing_folders(target), {}
@@ -346,7 +347,9 @@ def staged_merge(
         if isinstance(error, (KeyboardInterrupt, Interrupted)):
             name = signal_name(error)
             print(f"mergekit-ram: {name}: {out_path} {where}.", file=sys.stderr)
-        if isinstance(error, RAMInputError) or not isinstance(error, Exception):
+        if isinstance(error, (RAMInputError, AssertionError)):
+            raise  # says it all already; or a failed invariant: a traceback
+        if not isinstance(error, Exception):
             raise
         LOG.debug("the merge into %s stopped", out_path, exc_info=True)
         raise OutputError(
