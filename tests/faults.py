@@ -50,6 +50,14 @@ def ours_left(out: Path) -> list[str]:
     return left
 
 
+def long_path(root: Path, length: int) -> Path:
+    """A path of `length` characters below root, in names of up to 200."""
+    path = str(root)
+    while len(path) < length:
+        path += "/" + "d" * min(200, length - len(path) - 1)
+    return Path(path)
+
+
 def check_exit(how: str, code: int, state: str, output: str) -> None:
     """A signal other than SIGKILL: one line that says truly where OUT stands."""
     assert code in EXITS[how], (how, code, output)
