@@ -562,6 +562,7 @@ def hostile_manifests(out: Path) -> dict[str, object]:
         "a symlink",
         "a fifo",
         "huge",
+        "the previous release's, malformed",
     ],
 )
 def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
@@ -582,6 +583,9 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
         os.symlink(tmp_path / "theirs.json", path)
     elif hostile == "a fifo":  # opening it to read would block
         os.mkfifo(path)
+    elif hostile == "the previous release's, malformed":
+        files = {"notes.txt": 5, "frozen.txt": ["file", "9", 1], "../x": ["file"]}
+        path.write_text(json.dumps({"format": "mergekit-ram publish", "files": files}))
     else:
         with open(path, "wb") as handle:
             handle.truncate(output_folder.LIMIT + 1)

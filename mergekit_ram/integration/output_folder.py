@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import shutil
 import stat
@@ -40,7 +39,6 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
 from mergekit_ram.integration.interrupts import Interrupted, raised, signal_name
 
-LOG = logging.getLogger(__name__)
 STATE, STAGED, MERGE = ".mergekit-ram", "staged", "merge"  # MERGE: short, always
 MANIFEST, LOCK, CONFIG = "manifest.json", "lock", "config.json"
 FORMAT = {"format": "mergekit-ram manifest", "version": 2}
@@ -114,7 +112,7 @@ def plain_json(path: str, limit: int) -> dict | None:
 
 def _identity(path: str) -> tuple[int, int] | None:
     """(size, mtime) of the regular file at path (a link is not followed)."""
-    with suppress(FileNotFoundError, NotADirectoryError):
+    with suppress(OSError):
         found = os.lstat(path)
         return (
             (found.st_size, found.st_mtime_ns) if stat.S_ISREG(found.st_mode) else None
@@ -122,38 +120,28 @@ def _identity(path: str) -> tuple[int, int] | None:
     return None
 
 
-def _plain(name: object) -> bool:
-    """A name of one entry directly in OUT: nothing that leads elsewhere."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..", STATE)
-        and not set(name) & set("/\\\0")
-        and len(name.encode("utf-8", "surrogateescape")) <= 255
-    )
-
-
 def _recorded(target: str) -> list[tuple[str, int, int]]:
     """The manifest's entries whose file in OUT is still as recorded; a
-    manifest that is not wholly well-formed counts as none. (The previous
-    release's manifest, a dict of [kind, size, mtime], is read too.)"""
+    manifest not wholly well-formed counts as none. Entries name one file
+    directly in OUT (nothing that leads elsewhere). The previous release's
+    manifest, a dict of [kind, size, mtime], is read too."""
     document = plain_json(os.path.join(target, STATE, MANIFEST), LIMIT) or {}
     files = document.get("files")
     if document.get("format") == "mergekit-ram publish" and isinstance(files, dict):
-        files = [[n, *v[1:]] for n, v in files.items() if v[:1] == ["file"]]
-    elif not FORMAT.items() <= document.items():
+        old = files.items()
+        files = [
+            [n, *v[1:]] for n, v in old if isinstance(v, list) and v[:1] == ["file"]
+        ]
+    elif not FORMAT.items() <= document.items() or not isinstance(files, list):
         return []
-    well_formed = isinstance(files, list) and all(
-        isinstance(e, list)
-        and len(e) == 3
-        and _plain(e[0])
-        and all(type(v) is int for v in e[1:])
-        for e in files
-    )
-    return [
-        (name, *identity)
-        for name, *identity in (files if well_formed else [])
-        if _identity(os.path.join(target, name)) == tuple(identity)
-    ]
+    for entry in files:
+        name = entry[0] if isinstance(entry, list) and len(entry) == 3 else None
+        if not isinstance(name, str) or name in ("", ".", "..", STATE):
+            return []
+        if set(name) & set("/\\\0") or {type(v) for v in entry[1:]} != {int}:
+            return []
+    found = [(n, size, mtime) for n, size, mtime in files]
+    return [e for e in found if _identity(os.path.join(target, e[0])) == e[1:]]
 
 
 def _in_the_way(target: str, ours: set[str], written: set[str]) -> list[str]:
@@ -164,47 +152,43 @@ def _in_the_way(target: str, ours: set[str], written: set[str]) -> list[str]:
     is in the way of any merge, a .bin one of a .bin merge."""
     chosen = next((n for n in WEIGHT_FILES if n in written), None)
     last = 0 if chosen is None else WEIGHT_FILES.index(chosen) // 2 * 2 + 2
-    return [
-        name
-        for name in WEIGHT_FILES[:last]
-        if name not in written | ours and os.path.lexists(os.path.join(target, name))
-    ]
+    kept = (n for n in WEIGHT_FILES[:last] if n not in written | ours)
+    return [n for n in kept if os.path.lexists(os.path.join(target, n))]
 
 
 def _stray(out: str, names: list[str]) -> OutputError:
     return OutputError(
         f"The output folder {out} holds {', '.join(names)}, which no merge into "
         "it wrote (or which changed since): beside this merge's weights a loader "
-        "would take that file instead. Nothing was published. Move it out of the "
+        "would take that instead. Nothing was published. Move it out of the "
         "folder (or choose another output folder), then run the merge again."
     )
 
 
 def _fsync(path: str) -> None:
-    """Make a file's data, or a folder's entries, durable."""
-    if os.name == "nt" and os.path.isdir(path):
-        return  # folders cannot be opened for fsync there
-    handle = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
+    """Make a file's data, or a folder's entries, durable (not Windows' folders)."""
+    if os.name != "nt" or not os.path.isdir(path):
+        handle = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
 
 
 def _write_manifest(target: str, entries: list) -> None:
     """Write the manifest durably: a temporary file in the staging, fsynced,
-    renamed into place, the folder fsynced."""
+    renamed into place, the folder fsynced; and a `.gitignore` of `*` (OUT
+    may be a git clone: our folder stays out of a commit)."""
     state = os.path.join(target, STATE)
-    temporary = os.path.join(state, STAGED, MANIFEST)
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump({**FORMAT, "files": entries}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, os.path.join(state, MANIFEST))
+    for name, text in (
+        (MANIFEST, json.dumps({**FORMAT, "files": entries})),
+        (".gitignore", "*\n"),
+    ):
+        with open(os.path.join(state, STAGED, name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+        _fsync(os.path.join(state, STAGED, name))
+        os.replace(os.path.join(state, STAGED, name), os.path.join(state, name))
     _fsync(state)
-    if not os.path.lexists(os.path.join(state, ".gitignore")):  # OUT may be a clone
-        with open(os.path.join(state, ".gitignore"), "w", encoding="utf-8") as handle:
-            handle.write("*\n")
 
 
 def _publish(target: str, out: str, ours: list, progress: dict) -> None:
@@ -212,14 +196,13 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
     merge = os.path.join(target, STATE, STAGED, MERGE)
     names = sorted(os.listdir(merge), key=lambda name: name == CONFIG)
     written = {name: _identity(os.path.join(merge, name)) for name in names}
-    for name, identity in written.items():
+    for name in names:
         where = os.path.join(target, name)
-        if identity is None or not _plain(name):
-            raise OutputError(f"mergekit wrote {name!r} as other than a file.")
-        if os.path.isdir(where) and not os.path.islink(where):
+        if os.path.isdir(where) and not os.path.islink(where) or not written[name]:
             raise OutputError(
                 f"The output folder {out} holds a folder named {name}, where the "
-                "merge writes a file. Move it away, or choose another output folder."
+                "merge writes a file (or mergekit wrote a folder there). Move "
+                "it away, or choose another output folder."
             )
     stray = _in_the_way(target, {name for name, *_ in ours}, set(names))
     if stray:
@@ -227,14 +210,15 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
     for name in names:
         _fsync(os.path.join(merge, name))
     _write_manifest(target, ours + [(name, *written[name]) for name in names])
-    progress.update(before=_identity(os.path.join(target, CONFIG)))
-    progress.update(new=written.get(CONFIG))
-    if CONFIG in written and os.path.lexists(os.path.join(target, CONFIG)):
-        os.unlink(os.path.join(target, CONFIG))
+    config = os.path.join(target, CONFIG)
+    progress.update(before=_identity(config), new=written.get(CONFIG))
+    if CONFIG in written and os.path.lexists(config):
+        os.unlink(config)  # OUT loads as no model until the new one is in
     for name, *identity in ours:
-        where = os.path.join(target, name)
-        if name not in written and _identity(where) == tuple(identity):
-            os.unlink(where)
+        if name not in written and _identity(os.path.join(target, name)) == tuple(
+            identity
+        ):
+            os.unlink(os.path.join(target, name))
     for name in names:
         os.replace(os.path.join(merge, name), os.path.join(target, name))
     _fsync(target)
@@ -243,17 +227,16 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
 
 def _where(target: str, progress: dict) -> str:
     """Where OUT stands: config.json goes out first and comes in last."""
-    if "new" not in progress:
-        return AS_IT_WAS
     now = _identity(os.path.join(target, CONFIG))
-    if now is not None and now == progress["new"]:
+    if "new" in progress and now is not None and now == progress["new"]:
         return NEW
-    return AS_IT_WAS if now is not None and now == progress["before"] else HALF
+    unchanged = "new" not in progress or now is not None and now == progress["before"]
+    return AS_IT_WAS if unchanged else HALF
 
 
 def _clear(path: str) -> None:
-    """Remove our staging: a link is unlinked, never followed (nor is one
-    inside: shutil.rmtree unlinks them)."""
+    """Remove leftover staging: a link is unlinked, never followed (nor are
+    links inside: shutil.rmtree unlinks them)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -287,10 +270,9 @@ def _locked(target: str, out: str) -> Iterator[None]:
     try:
         yield
     finally:
-        with suppress(OSError):
-            os.unlink(lock)
-        with suppress(OSError):
-            os.rmdir(state)
+        for remove, path in ((os.unlink, lock), (os.rmdir, state)):
+            with suppress(OSError):
+                remove(path)
         held.release()
 
 
@@ -340,18 +322,15 @@ def staged_merge(
     except BaseException as error:
         where = _where(target, progress)
         for folder in reversed(made):
-            try:
+            with suppress(OSError):
                 os.rmdir(folder)
-            except OSError:
-                break
         if isinstance(error, (KeyboardInterrupt, Interrupted)):
-            name = signal_name(error)
-            print(f"mergekit-ram: {name}: {out_path} {where}.", file=sys.stderr)
+            said = f"mergekit-ram: {signal_name(error)}: {out_path} {where}."
+            print(said, file=sys.stderr)
         if isinstance(error, (RAMInputError, AssertionError)):
             raise  # says it all already; or a failed invariant: a traceback
         if not isinstance(error, Exception):
             raise
-        LOG.debug("the merge into %s stopped", out_path, exc_info=True)
         raise OutputError(
             f"The merge into {out_path} stopped ({type(error).__name__}: {error}); "
             f"{out_path} {where}."
