@@ -608,14 +608,16 @@ def test_the_previous_releases_manifest_still_names_its_merge(previous, tmp_path
     assert tree(previous) == expected(NEW, tmp_path / "want")
 
 
-@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("inside", [False, True, "a file"])
 def test_leftover_staging_with_links_is_removed_not_followed(
     previous, tmp_path, inside
 ):
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "precious.txt").write_text("precious")
     staging = previous / STATE / "staged"
-    if inside:
+    if inside == "a file":
+        staging.write_text("a killed run's, or a clone's")
+    elif inside:
         (staging / "merge").mkdir(parents=True)
         os.symlink(tmp_path / "theirs", staging / "merge" / "tokenizer")
     else:
