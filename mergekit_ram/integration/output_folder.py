@@ -211,7 +211,7 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
         _fsync(os.path.join(merge, name))
     _write_manifest(target, ours + [(name, *written[name]) for name in names])
     config = os.path.join(target, CONFIG)
-    progress.update(before=_identity(config), new=written.get(CONFIG))
+    progress.update(before=_identity(config), written=written)
     if CONFIG in written and os.path.lexists(config):
         os.unlink(config)  # OUT loads as no model until the new one is in
     for name, *identity in ours:
@@ -226,12 +226,14 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
 
 
 def _where(target: str, progress: dict) -> str:
-    """Where OUT stands: config.json goes out first and comes in last."""
+    """Where OUT stands, read from OUT: config.json goes out first and comes
+    in last; a file of the new merge in OUT means the renames began."""
+    written = progress.get("written", {})
     now = _identity(os.path.join(target, CONFIG))
-    if "new" in progress and now is not None and now == progress["new"]:
+    if now is not None and now == written.get(CONFIG):
         return NEW
-    unchanged = "new" not in progress or now is not None and now == progress["before"]
-    return AS_IT_WAS if unchanged else HALF
+    moved = any(_identity(os.path.join(target, n)) == i for n, i in written.items())
+    return HALF if moved or now != progress.get("before", now) else AS_IT_WAS
 
 
 def _clear(path: str) -> None:
