@@ -2,12 +2,12 @@
 
 `run_interrupted` starts a child that replaces the `os` module seen by
 mergekit_ram.integration.output_folder with a proxy counting every mkdir,
-rename, replace, link, symlink, unlink, rmdir, fsync and write. At step N
-the child sends itself SIGKILL, or SIGTERM / SIGINT / SIGHUP to its main
-thread (odd N: to an idle thread, since a signal may land on any thread of
-a merge and Python then handles it in the main thread), waits until it is
-delivered (the wakeup fd), then does the step. Step 0 never
-interrupts: the child prints how many steps its run took.
+makedirs, rename, replace, link, symlink, unlink, rmdir, fsync and write.
+At step N the child sends itself SIGKILL, or SIGTERM / SIGINT / SIGHUP to
+its main thread (odd N: to an idle thread, since a signal may land on any
+thread of a merge and Python then handles it in the main thread), waits
+until it is delivered (the wakeup fd), so that the step itself never runs.
+Step 0 never interrupts: the child prints how many steps its run took.
 
 Also the helpers every publishing test shares: what of ours is left in OUT,
 and OUT's files without our folder.
@@ -23,23 +23,22 @@ from pathlib import Path
 
 TIMEOUT = 300
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
-# Every counted step runs while the signals are held, and the driver waits
-# until the signal is delivered: a held signal ends the run with 128 + its
-# number; Ctrl-C raised before the merge is Python's KeyboardInterrupt (an
-# uncaught one kills a script with SIGINT; click says "Aborted!", exit 1).
-# Never exit 0: that would mean a held signal was dropped.
+# Nothing is held: SIGTERM and SIGHUP end the run with 128 + their number,
+# Ctrl-C with Python's KeyboardInterrupt (the driver exits 130 on it, click
+# says "Aborted!", exit 1). Never exit 0: that would mean a signal was dropped.
 EXITS = {name: {128 + getattr(signal, name)} for name in SIGNALS}
 EXITS["SIGKILL"] = {-signal.SIGKILL}
-EXITS["SIGINT"] |= {-signal.SIGINT, 1}
+EXITS["SIGINT"] |= {1}
 STATE = ".mergekit-ram"  # our folder inside OUT
 MANIFEST = "manifest.json"  # what a finished run leaves there: the manifest,
 GITIGNORE = ".gitignore"  # and a .gitignore that keeps our folder out of git
+# What the line a signal ends the run with says, for each state OUT is in.
+SAID = {"old": "is as it was", "new": "holds the new merge", "half": "has no config"}
 
 
 def ours_left(out: Path) -> list[str]:
     """What of ours is in or next to OUT beyond a finished merge's manifest
-    and .gitignore:
-    staging, a journal, a lock, temporary files (none after a run ends)."""
+    and .gitignore: staging, a lock (none after a run ends)."""
     inside = out / STATE
     left = sorted(os.listdir(inside)) if inside.is_dir() else []
     left = [f"{STATE}/{n}" for n in left if n not in (MANIFEST, GITIGNORE)]
@@ -51,19 +50,18 @@ def ours_left(out: Path) -> list[str]:
     return left
 
 
-def check_exit(how: str, code: int, state: str, output: str) -> tuple[str, str, str]:
-    """A signal other than SIGKILL: how the run ended must match what OUT is."""
-    signum = getattr(signal, how)
-    assert state != "half", (how, output)
-    if code == 128 + signum:  # held, then one line and the exit status
-        said = "holds the new merge" if state == "new" else "is as it was"
-        assert said in output and "Traceback" not in output, (how, output)
-        return how, "held", state
-    if how == "SIGINT" and state == "old":  # KeyboardInterrupt before the merge
-        assert code in (-signum, 1), (how, code, output)  # click: "Aborted!", 1
-        assert "is as it was" in output, output
-        return how, "interrupted", state
-    raise AssertionError((how, code, "neither held nor interrupted", output))
+def long_path(root: Path, length: int) -> Path:
+    """A path of `length` characters below root, in names of up to 200."""
+    path = str(root)
+    while len(path) < length:
+        path += "/" + "d" * min(200, length - len(path) - 1)
+    return Path(path)
+
+
+def check_exit(how: str, code: int, state: str, output: str) -> None:
+    """A signal other than SIGKILL: one line that says truly where OUT stands."""
+    assert code in EXITS[how], (how, code, output)
+    assert SAID[state] in output and "Traceback" not in output, (how, state, output)
 
 
 DRIVER = """
@@ -86,7 +84,8 @@ if os.environ.get("FAULT_HOSTNAME"):  # every container run has a new one
     socket.gethostname = lambda: os.environ["FAULT_HOSTNAME"]
 
 STEPS = (
-    "mkdir", "rename", "replace", "link", "symlink", "unlink", "rmdir", "fsync", "write"
+    "mkdir", "makedirs", "rename", "replace", "link", "symlink", "unlink", "rmdir",
+    "fsync", "write",
 )
 idle = threading.Thread(target=threading.Event().wait, daemon=True)
 idle.start()
@@ -130,7 +129,10 @@ try:
                 name, text = line.split("=")
                 Path(staged, name).write_text(text)
 
-        folder.staged_merge(out, write)
+        try:
+            folder.staged_merge(out, write)
+        except KeyboardInterrupt:  # the run printed its line: exit as a shell would
+            sys.exit(130)
     else:
         from mergekit.scripts.run_yaml import main
 

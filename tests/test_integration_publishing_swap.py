@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from faults import ours_left
+from faults import STATE, long_path, ours_left
 
+import mergekit_ram.integration.methods
 import mergekit_ram.integration.output_folder
 from mergekit_ram.commands.cli import main
 
@@ -312,13 +313,20 @@ def test_report_folder_inside_an_input_is_refused(family, tmp_path, command):
     "spell, message",
     [
         (lambda t: t / ("x" * 240), None),
+        (lambda t: long_path(t, 3950), None),
         (lambda t: (t / "file").touch() or t / "file" / "out", "a file"),
         (lambda t: os.symlink(t / "l", t / "l") or t / "l" / "out", "symlink loop"),
     ],
-    ids=["240-character name", "parent is a file", "symlink loop"],
+    ids=[
+        "240-character name",
+        "3950-character path",
+        "parent is a file",
+        "symlink loop",
+    ],
 )
 def test_output_paths_a_new_user_tries(family, tmp_path, spell, message):
-    """Item 6, whole merges: a long name works; the others are one Error."""
+    """Item 6, whole merges: long names and paths work (issue 36, problem 4:
+    wherever stock mergekit writes, we do); the others are one Error."""
     config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
     out = spell(tmp_path)
     result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
@@ -440,3 +448,82 @@ def test_a_merge_without_card_can_be_merged_over(family, tmp_path):
         result = CliRunner().invoke(main, args)
         assert result.exit_code == 0, result.output
     assert "mergekit_config.yml" not in os.listdir(out) and ours_left(out) == []
+
+
+# --- issue 36: the OS or a user in the way of a whole merge -----------------------
+
+
+def remove_our_folder_mid_merge(monkeypatch, out: Path) -> None:
+    """`rm -rf OUT/.mergekit-ram` while the tensors are merged."""
+    methods, calls = mergekit_ram.integration.methods, []
+    real = methods.ram_merge_tensor
+
+    def removing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            shutil.rmtree(out / STATE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(methods, "ram_merge_tensor", removing)
+
+
+def refuse_step(name: str, code: int, when):
+    """output_folder's os.<name>(path) fails with `code` where when(path, OUT)."""
+
+    def install(monkeypatch, out: Path) -> None:
+        real = getattr(os, name)
+
+        def refused(*args, **kwargs):
+            path = str(args[-1])
+            if when(path, out):
+                raise OSError(code, os.strerror(code), path)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mergekit_ram.integration.output_folder.os, name, refused)
+
+    return install
+
+
+def users(found: dict[str, str]) -> dict[str, str]:
+    """OUT's files but our folder (the manifest may be gone or name more)."""
+    return {k: v for k, v in found.items() if not k.startswith(STATE)}
+
+
+IN_THE_WAY = {  # problem: (what goes wrong, where OUT is then)
+    "rm -rf .mergekit-ram mid-merge": (remove_our_folder_mid_merge, "is as it was"),
+    "the manifest refused (EPERM)": (
+        refuse_step("replace", 1, lambda p, out: p.endswith("manifest.json")),
+        "is as it was",
+    ),
+    "a full disk at the manifest": (
+        refuse_step("replace", 28, lambda p, out: p.endswith("manifest.json")),
+        "is as it was",
+    ),
+    "OUT immutable right after the manifest": (
+        refuse_step("unlink", 1, lambda p, out: p == str(out / "config.json")),
+        "is as it was",
+    ),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(IN_THE_WAY))
+def test_the_os_or_a_user_in_the_way_is_one_error_saying_where_out_stands(
+    family, previous, tmp_path, monkeypatch, problem
+):
+    """Issue 36, problems 6-9: a traceback or a wrong message each, now one
+    `Error:` line (exit 2) that truly says OUT is the old merge; the next
+    run publishes."""
+    out = copy_of(previous, tmp_path)
+    before = hashes(out)
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    install, said = IN_THE_WAY[problem]
+    install(monkeypatch, out)
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    monkeypatch.undo()
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"Error: The merge into {out} stopped (")
+    assert f"{out} {said}." in result.output and "Traceback" not in result.output
+    assert users(hashes(out)) == users(before) and not ours_left(out), result.output
+    result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert (out / "config.json").is_file() and not ours_left(out)

@@ -38,7 +38,8 @@ class MergeRun:
     `local`: what tensor-local RAM+ computed, for the card; `findings`: the
     configuration's warnings, for the plan-time checks to report with theirs
     (validation); `values`: each setting's values over the planned tensors,
-    for the card.
+    for the card; `card_name`: the name mergekit would give the card (OUT's
+    last name), since mergekit writes into our staging folder.
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
@@ -51,6 +52,7 @@ class MergeRun:
     local: LocalScales = field(default_factory=LocalScales)
     findings: Any = None
     values: dict = field(default_factory=dict)
+    card_name: str | None = None
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -117,6 +117,8 @@ def patch_card(merge: ModuleType) -> None:
         ours = is_ours(config.merge_method)
         run = current_run()
         values = run.values if run is not None else {}
+        if run is not None and run.card_name is not None:
+            name = run.card_name  # OUT's name, not our staging folder's
         if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)

@@ -1,18 +1,19 @@
 """mergekit's run_merge for RAM merges: checked first, published file by file.
 
 For `ram` / `ramplus` configurations `run_merge` is wrapped so that it
-takes OUT's lock (finishing or removing what a killed run left), validates
-the configuration and every input's checkpoint headers, refuses an output
+takes OUT's lock (removing a killed run's staging), checks the configuration
+and every input's checkpoint headers (`validation`), refuses an output
 folder that would change an input (OUT equal to, inside or holding an input,
 or holding a file an input reads), then lets mergekit write the whole merge
 into our staging folder inside OUT, which `output_folder` publishes into
-out_path, file by file, only once the merge succeeded. One `context.MergeRun`
-is open for the merge, so the planner's statistics reach the model card and
-nothing outlives it.
+out_path only once the merge succeeded. One `context.MergeRun` is open for
+the merge, so the planner's statistics reach the model card and nothing
+outlives it. Any other method mergekit knows runs as mergekit's own.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,7 +94,8 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             if not known:  # refused before OUT is touched, with the file's problems
                 check_config(merge_config, options, written(config_source))
-            with merge_run():
+            with merge_run() as run:
+                run.card_name = os.path.basename(out_path)  # as stock names it
                 staged_merge(
                     out_path,
                     lambda staged: original(
