@@ -528,77 +528,36 @@ def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "method, parameters, merge_checks",
+    "method, parameters, reads_again",
     [
         ("ramplus", dict(CASES["clip"]), False),
         ("ramplus", {**CASES["clip"], "nonfinite": "ignore"}, True),
-        ("ramplus", {**CASES["clip"], "statistics": "tensor"}, True),
-        ("ram", {}, True),
+        ("ramplus", {**CASES["clip"], "statistics": "tensor"}, False),
+        ("ram", {}, False),
     ],
 )
-def test_nan_check_runs_once(
-    method, parameters, merge_checks, family_f32, tmp_path, monkeypatch
+def test_finite_inputs_cost_no_read_of_their_own_when_refusing(
+    method, parameters, reads_again, family_f32, tmp_path, monkeypatch
 ):
-    # Under refuse the statistics pass's check stands for the merge's; without
-    # a pass, or under ignore (which replaces values), the merge checks. The
-    # pass checks with finite_inputs, or under refuse with the count's own
-    # sums of τ (`checked`); the merge with finite_inputs, or under refuse
-    # with its walk's own sums of τ (`on_nonfinite`).
-    import mergekit_ram.core.counting as counted
+    """Refusing, the pass counts with its own sums of τ (`checked`) and the
+    mean kernel's walk checks with its own (`on_nonfinite`): finite inputs
+    are read element by element only under `nonfinite: ignore`, which
+    replaces values."""
     import mergekit_ram.integration.methods as methods
 
-    calls = {"pass": 0, "merge": 0}
+    calls = {"element by element": 0, "walk": 0}
+    real_check, real_kernel = methods.finite_inputs, methods.ram_merge_tensor
 
-    def counting(where, original, checks=lambda kwargs: True):
-        def check(*args, **kwargs):
-            calls[where] += checks(kwargs)
-            return original(*args, **kwargs)
+    def check(*args, **kwargs):
+        calls["element by element"] += 1
+        return real_check(*args, **kwargs)
 
-        return check
+    def kernel(*args, **kwargs):
+        calls["walk"] += "on_nonfinite" in kwargs
+        return real_kernel(*args, **kwargs)
 
-    stats = mergekit_ram.integration.statistics
-    monkeypatch.setattr(stats, "finite_inputs", counting("pass", stats.finite_inputs))
-    monkeypatch.setattr(
-        counted,
-        "overlaps",
-        counting("pass", counted.overlaps, lambda kwargs: kwargs.get("checked", False)),
-    )
-    monkeypatch.setattr(
-        methods, "finite_inputs", counting("merge", methods.finite_inputs)
-    )
-    # Refusing, the mean kernel's walk checks with its own sums of τ.
-    monkeypatch.setattr(
-        methods,
-        "ram_merge_tensor",
-        counting(
-            "merge", methods.ram_merge_tensor, lambda kwargs: "on_nonfinite" in kwargs
-        ),
-    )
+    monkeypatch.setattr(methods, "finite_inputs", check)
+    monkeypatch.setattr(methods, "ram_merge_tensor", kernel)
     run(family_f32.yaml(method, parameters=parameters), tmp_path / "out")
-    has_pass = method == "ramplus" and parameters.get("statistics") != "tensor"
-    assert (calls["pass"] > 0) == has_pass
-    assert (calls["merge"] > 0) == merge_checks
-
-
-@pytest.mark.parametrize(
-    "method, parameters, task_checks",
-    [
-        ("ramplus", {}, False),
-        ("ramplus", {"statistics": "tensor"}, True),
-        ("ram", {}, True),
-    ],
-)
-def test_layout_is_checked_once_per_tensor_at_run_time(
-    method, parameters, task_checks, family_f32, tmp_path, monkeypatch
-):
-    """The statistics pass checks every group's layout; after it, the merge
-    task does not check the same tensors again (it does without a pass)."""
-    import mergekit_ram.integration.methods as methods
-
-    calls = []
-    real = methods.check_layout
-    monkeypatch.setattr(
-        methods, "check_layout", lambda *a, **k: calls.append(1) or real(*a, **k)
-    )
-    run(family_f32.yaml(method, parameters=parameters or None), tmp_path / "out")
-    assert bool(calls) == task_checks
+    assert (calls["element by element"] > 0) == reads_again
+    assert (calls["walk"] > 0) == (not reads_again)

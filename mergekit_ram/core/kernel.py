@@ -341,10 +341,8 @@ class _ChunkMerge:
         self.reader = reader
         self.rescales = any(scale != 1.0 for scale in scales)
         width, device = reader.width, reader.device
-        as_float32 = torch.tensor(list(scales), dtype=torch.float32).tolist()
-        self.infinite = [i for i, scale in enumerate(as_float32) if math.isinf(scale)]
-        self.finite_scales = [1.0 if math.isinf(s) else s for s in as_float32]
-        self.infinity = torch.tensor(math.inf, device=device)
+        # λ as float32 holds it (the plan refuses one beyond float32's range).
+        self.scales = torch.tensor(list(scales), dtype=torch.float32).tolist()
         like = dict(dtype=torch.float32, device=device)
         self.delta = torch.empty(width, **like)
         self.scratch = torch.empty(width, **like)
@@ -413,21 +411,13 @@ class _ChunkMerge:
         self, mask: torch.Tensor, counts: torch.Tensor, unique: torch.Tensor
     ) -> torch.Tensor:
         """Λ = (1 − u) + u·Σ_t λ_t·m_t: λ of the one task changing a unique
-        element, 1 elsewhere; exact, as every product is by 0 or 1.
-
-        A λ beyond float32 (∞ there, as in mergekit's float32 product) would
-        make 0·λ NaN: it is summed as 1 and put in by `where` afterwards.
-        """
+        element, 1 elsewhere; exact, as every product is by 0 or 1."""
         width = unique.numel()
-        lam = torch.mul(mask[0], self.finite_scales[0], out=self.factor[:width])
-        for row, scale in zip(mask[1:], self.finite_scales[1:]):
+        lam = torch.mul(mask[0], self.scales[0], out=self.factor[:width])
+        for row, scale in zip(mask[1:], self.scales[1:]):
             lam.add_(row, alpha=scale)
         kept = torch.ne(counts, 1, out=self.scratch[:width])
-        lam = torch.addcmul(kept, unique, lam, out=lam)
-        for index in self.infinite:
-            owned = self.changed[:width].copy_(mask[index] * unique)
-            torch.where(owned, self.infinity, lam, out=lam)
-        return lam
+        return torch.addcmul(kept, unique, lam, out=lam)
 
     def _count(self, mask: torch.Tensor, out: torch.Tensor) -> None:
         """Add, per task, [unique elements, of which written apart from RAM]."""

@@ -8,10 +8,9 @@ lookup notes there what it could not link. The survival tally of
 λ (`core.survival`) lives there too: the planner makes it, each merge task
 adds to it, the last task writes it out. Merge tasks may run on worker
 threads (mergekit's --multi-gpu executor), which do not inherit the context;
-they carry their run and bind it with `running`. A merge task whose inputs
-the statistics pass already checked binds `inputs_checked` too, so the merge
-does not check them again. The run's worker threads (`core.parallel`) serve
-every chunked walk of the merge, the pass's included, and end with it.
+they carry their run and bind it with `running`. The run's worker threads
+(`core.parallel`) serve every chunked walk of the merge, the pass's
+included, and end with it.
 """
 
 from __future__ import annotations
@@ -92,21 +91,3 @@ def running(run: MergeRun | None) -> Iterator[None]:
             yield
     finally:
         _CURRENT.reset(token)
-
-
-_CHECKED: ContextVar[bool] = ContextVar("mergekit_ram_checked", default=False)
-
-
-def inputs_checked() -> bool:
-    """Whether the statistics pass already refused NaN/Inf in this task's inputs."""
-    return _CHECKED.get()
-
-
-@contextmanager
-def checked_inputs(checked: bool) -> Iterator[None]:
-    """Mark the block's merge inputs as checked by the pass (or not)."""
-    token = _CHECKED.set(checked)
-    try:
-        yield
-    finally:
-        _CHECKED.reset(token)

@@ -47,9 +47,7 @@ from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
 from mergekit_ram.integration.context import (
     MergeRun,
-    checked_inputs,
     current_run,
-    inputs_checked,
     running,
 )
 
@@ -179,8 +177,6 @@ class RAMMerge(GroupMergeMethod):
 
         if nonfinite != "refuse":
             inputs = check()  # a non-finite value becomes the base's
-        elif inputs_checked():
-            pass  # the statistics pass refused non-finite inputs already
         elif shared == "mean":
             # The walk's own sums of τ tell finite inputs apart; only a
             # tensor they doubt is read again, element by element.
@@ -327,25 +323,19 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     out_dtype is the dtype the tensor is written in. It carries the merge it
     belongs to (a private attribute: not part of the task's identity) and
     runs inside it, also on a worker thread, so the method finds the run's
-    survival tally. `_checked`: the statistics pass already checked its
-    inputs (layout, and NaN/Inf; set by with_scales), so the merge skips the
-    layout check and, under `nonfinite: refuse`, the NaN/Inf check.
+    survival tally.
     """
 
     _run: MergeRun | None = PrivateAttr(default=None)
-    _checked: bool = PrivateAttr(default=False)
 
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
         base = tensors.get(self.base_model)
         if base is not None:
             if from_base(base.dtype):
                 return base
-            if not self._checked:  # the statistics pass checked these inputs
-                weight = self.output_weight
-                check_layout(
-                    weight.name, tensors, self.base_model, weight.vocabulary_axis
-                )
-        with running(self._run), checked_inputs(self._checked):
+            weight = self.output_weight
+            check_layout(weight.name, tensors, self.base_model, weight.vocabulary_axis)
+        with running(self._run):
             return super().execute(tensors, **kwargs)
 
 

@@ -527,8 +527,7 @@ def scale_planned(
 
 
 def with_scales(task: Any, scales: dict[Any, float]) -> Any:
-    """A copy of a planned merge task whose task models carry their λ, its
-    inputs marked as checked by the statistics pass that computed λ."""
+    """A copy of a planned merge task whose task models carry their λ."""
     params = immutables.Map(
         {
             model: (
@@ -539,9 +538,7 @@ def with_scales(task: Any, scales: dict[Any, float]) -> Any:
             for model, values in task.input_parameters.items()
         }
     )
-    scaled = task.model_copy(update={"input_parameters": params})
-    scaled._checked = True
-    return scaled
+    return task.model_copy(update={"input_parameters": params})
 
 
 def rescales(merges: list[Any]) -> bool:
