@@ -1,4 +1,4 @@
-"""mergekit_ram.core.verdict: each threshold from both sides, the sentence,
+"""mergekit_ram.analysis.verdict: each threshold from both sides, the sentence,
 the benchmark findings it cites, and the agent it names on the two regimes of
 benchmarks/agents (their stored `analyze` reports)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mergekit_ram.core.verdict import (
+from mergekit_ram.analysis.verdict import (
     ALONE,
     BASELINES,
     FINDINGS,

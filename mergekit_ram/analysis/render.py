@@ -7,11 +7,11 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mergekit_ram.commands.analysis import PAPER_R
+from mergekit_ram.analysis.report import PAPER_R
+from mergekit_ram.analysis.tables import markdown_table, percent, text_table
+from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING, unique_share_departure
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.verdict import NESTED, OVERLAPPING, unique_share_departure
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.tables import markdown_table, percent, text_table
 
 REPORT_JSON = "report.json"
 

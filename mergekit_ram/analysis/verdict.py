@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mergekit_ram.analysis.naming import labels_for
+from mergekit_ram.analysis.pairs import pairwise
+from mergekit_ram.analysis.regime import ratio, retentions
 from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.naming import labels_for
-from mergekit_ram.core.pairs import pairwise
-from mergekit_ram.core.regime import ratio, retentions
 
 # A pair overlaps when its lift (observed overlap / the overlap of independent
 # supports) is at least this, and avoids each other at most its inverse; a
