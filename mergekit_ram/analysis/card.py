@@ -10,7 +10,7 @@ from collections.abc import Hashable, Mapping
 
 from mergekit_ram.analysis.tables import (
     SHARE_HEADERS,
-    markdown_table,
+    Section,
     percent,
     share_cells,
 )
@@ -105,10 +105,9 @@ def _section(
         rescaled, survived = counts.get(task, (0, 0))
         shares = share_cells(found.elements, found.changed, found.unique, found.shared)
         rows.append([str(task), *shares, lam[task], percent(survived, rescaled, 1)])
-    headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
-    lines = ["", f"### {title}", "", intro, ""]
-    lines += markdown_table(headers, rows)
-    lines += ["", *CARD_LEGEND]
+    notes = ["\n".join(CARD_LEGEND)]
     if survival is not None and survival.lost():
-        lines += ["", survival.warning()]
-    return "\n".join(lines) + "\n"
+        notes.append(survival.warning())
+    headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
+    section = Section(title, notes, headers, rows, intro=[intro])
+    return "\n".join(section.markdown(level=3)) + "\n"

@@ -18,8 +18,9 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from mergekit_ram.core.products import Products
 
-# Methods whose retention is reported, in report order.
-METHODS = ("ram", "ramplus", "ta_mean", "ta_sum")
+# Methods whose retention is reported, in report order → their name in tables
+# and figures (task arithmetic with weight 1/N and 1).
+METHODS = {"ram": "RAM", "ramplus": "RAM+", "ta_mean": "TA 1/N", "ta_sum": "TA 1"}
 
 
 def expected_intersections(
