@@ -10,12 +10,12 @@ merge_tensors, merge_state_dicts.
 import sys
 
 import _mergekit_ram_autoload as _autoload
-from mergekit_ram.integration.install import install
+from mergekit_ram.commands.install import install
 
 __version__ = "0.1.0"
 __all__ = ["install", "merge_state_dicts", "merge_tensors", "run_merge"]
 
-_INSTALLER = "mergekit_ram.integration.install:install"
+_INSTALLER = "mergekit_ram.commands.install:install"
 _API = ("merge_state_dicts", "merge_tensors", "run_merge")
 
 

@@ -24,15 +24,16 @@ from conftest import TaskSpec
 from safetensors.torch import load_file, save_file
 
 import mergekit_ram.integration.statistics
-from mergekit_ram.commands.analysis import PAPER_R, analyze_config
+from mergekit_ram.analysis.naming import layer_of
+from mergekit_ram.analysis.render import REPORT_JSON
+from mergekit_ram.analysis.report import PAPER_R, SCHEMA_VERSION
+from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING
+from mergekit_ram.commands.analysis import analyze_config
 from mergekit_ram.commands.cli import main
 from mergekit_ram.commands.merge_cli import parse_r_values
-from mergekit_ram.commands.render import REPORT_JSON
-from mergekit_ram.commands.report import SCHEMA_VERSION
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
 from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.naming import MODULES, layer_of, module_of
-from mergekit_ram.core.verdict import NESTED, OVERLAPPING
+from mergekit_ram.core.naming import MODULES, module_of
 
 EPSILON = 1e-5
 AGENTS = (
@@ -603,7 +604,7 @@ def test_cli_writes_the_figures(analyzed):
 
 
 def analyze_figures():
-    from mergekit_ram.commands.figures import FIGURES
+    from mergekit_ram.analysis.figures import FIGURES
 
     return list(FIGURES)
 
@@ -936,7 +937,7 @@ def test_notes_only_where_the_numbers_say_them(case):
 
 
 def test_unique_share_notes_name_only_the_tasks_far_from_expected():
-    from mergekit_ram.commands.render import unique_share_notes
+    from mergekit_ram.analysis.render import unique_share_notes
 
     def task(label, observed, expected):
         return {

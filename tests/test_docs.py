@@ -1,6 +1,6 @@
-"""docs/*.md name only code that exists: every `core.…`, `integration.…` or
-`commands.…` reference imports (a module) or resolves by getattr (a module's
-function, class or attribute)."""
+"""docs/*.md name only code that exists: every `core.…`, `integration.…`,
+`analysis.…` or `commands.…` reference imports (a module) or resolves by
+getattr (a module's function, class or attribute)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-REFERENCE = re.compile(r"\b(?:core|integration|commands)(?:\.[A-Za-z_]\w*)+")
+REFERENCE = re.compile(r"\b(?:core|integration|analysis|commands)(?:\.[A-Za-z_]\w*)+")
 
 
 def references() -> list[tuple[str, str]]:

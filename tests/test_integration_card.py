@@ -1,7 +1,7 @@
-"""mergekit_ram.integration.card, with the statistics document and card section:
-strict JSON (issue finding 10), the model card's RAM+ section and model order
-(issue 18), and its variant heading, licence, verdict and repository address
-(issue 30)."""
+"""mergekit_ram.integration.card, with the statistics document: strict JSON
+(issue finding 10), the model card's model order, also in its RAM+ section
+(issue 18), and its variant heading and licence (issue 30). The section's
+own content is tests/test_analysis_card.py's."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ import math
 import shutil
 
 import pytest
-import torch
 import yaml
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 import mergekit_ram
-from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration import card as results
 from mergekit_ram.integration.card import base_license, variant
-from mergekit_ram.integration.statistics import card_section, strict_json
+from mergekit_ram.integration.statistics import strict_json
 
 
 def test_report_json_is_strict():
@@ -29,44 +25,6 @@ def test_report_json_is_strict():
     text = json.dumps(strict_json(document), allow_nan=False)
     assert json.loads(text) == {"a": [None, 1.5], "b": {"c": None}, "d": "x"}
     assert math.isfinite(strict_json(2.0))
-
-
-def worked_example(inner_products: bool = False) -> OverlapStatistics:
-    """docs/spec.md's worked example: C = [3, 3, 2] of 8, U = [1, 1, 1]."""
-    taus = {
-        "t1": [0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0],
-        "t2": [0, 0.4, 0.4, 0, 0, -0.1, 0, 0],
-        "t3": [0, 0, 0.6, 0.7, 0, 0, 0, 1e-6],
-    }
-    stats = OverlapStatistics(epsilon=1e-5, inner_products=inner_products)
-    stats.add("w", torch.zeros(8), {t: torch.tensor(v) for t, v in taus.items()})
-    return stats
-
-
-def settings_with(saturation: str) -> MergeSettings:
-    return MergeSettings(
-        epsilon=1e-5, r=0.1, alpha=2.0, saturation=saturation, statistics="global"
-    )
-
-
-def test_card_section_says_what_each_number_is():
-    stats = worked_example()
-    settings = settings_with("clip")
-    tally = SurvivalTally()
-    tally.add("t1", 4, 1, "bfloat16")
-    card = card_section(settings, stats, stats.scales(settings.rule), tally)
-
-    assert "pypi.org" not in card and "not on PyPI" in card
-    assert "(epsilon = 1e-05, r = 0.1, clip rule, alpha = 2)" in card
-    assert "| t1 | 37.50 % | 33.33 % | 66.67 % | 2.0000 | 1.2000 | 25.0 % |" in card
-    assert "| t3 | 25.00 % | 50.00 % | 50.00 % | 1.0000 | 1.1000 | – |" in card
-    legend = {
-        line.split("*")[1]: line for line in card.splitlines() if line[:3] == "- *"
-    }
-    assert "share of all the parameters" in legend["changed"]
-    assert "shares of that agent's own changes" in legend["unique"]
-    survives = legend["λ survives"]
-    assert "written value" in survives and "differs from plain RAM" in survives
 
 
 def models_merged(card: str) -> list[str]:
@@ -97,43 +55,6 @@ def test_card_lists_models_in_config_order(order, family_f32, tmp_path):
     paths = [family.paths[name] for name in order]
     assert models_merged(card) == paths
     assert statistics_rows(card, paths) == paths
-
-
-def test_soft_rule_card_does_not_list_alpha():
-    """The soft rule, λ = 1 + r·S/C, does not use alpha (docs/spec.md)."""
-    stats = worked_example()
-    settings = settings_with("soft")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "(epsilon = 1e-05, r = 0.1, soft rule)" in card
-    assert "alpha" not in card.split("|", 1)[0]
-
-
-@pytest.mark.parametrize("inner_products", [False, True])
-def test_card_carries_the_verdict(inner_products):
-    """With the inner products (merge --report) the card's verdict names the
-    agent RAM dilutes; a merge's own pass has none, and it says where to look."""
-    stats = worked_example(inner_products)
-    settings = settings_with("clip")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    (line,) = [x for x in card.splitlines() if x.startswith("**Verdict:** ")]
-    if inner_products:
-        assert "RAM would dilute" in line
-    else:
-        assert "run mergekit-ram analyze on this configuration" in line
-
-
-def test_card_gives_the_repository_the_package_declares(monkeypatch):
-    class Declared:
-        def get_all(self, _name):
-            return ["Documentation, https://docs.example", "Repository, https://r.ex"]
-
-    stats = worked_example()
-    settings = settings_with("clip")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "installed from a clone of its repository" in card  # none declared
-    monkeypatch.setattr(results.metadata, "metadata", lambda _name: Declared())
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "not on PyPI: install it from its repository, https://r.ex" in card
 
 
 VARIANTS = [

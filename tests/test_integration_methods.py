@@ -15,6 +15,7 @@ from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
+from mergekit_ram.commands import install as commands_install
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.install import (
     SUPPORTED,
@@ -56,7 +57,7 @@ def ref_merge(base, tasks, **kwargs):
 
 
 def test_import_registers_ours():
-    assert mergekit_ram.install is install
+    assert mergekit_ram.install is commands_install.install
     assert merge_methods.get("ram") is ram
     assert merge_methods.get("ramplus") is ramplus
     assert isinstance(ram, RAMMerge) and isinstance(ramplus, RAMMerge)

@@ -1,5 +1,7 @@
-"""The package's layers: core -> nothing of ours above it, integration -> core,
-commands -> both; no import cycle; core and the package import no mergekit.
+"""The package's layers: core (the paper's math) -> nothing of ours above it,
+integration (mergekit) -> core, analysis (the probe's statistics, verdict,
+report and card section) -> both, commands -> all three; no import cycle;
+core and the package import no mergekit.
 
 The arrows are read from the source (every import statement, including
 those inside functions), so a lazy import cannot hide an upward arrow.
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mergekit_ram"
-LAYERS = {"core": 0, "integration": 1, "commands": 2}
+LAYERS = {"core": 0, "integration": 1, "analysis": 2, "commands": 3}
 # Third-party packages core must not import: it is torch and the standard library.
 NOT_IN_CORE = (
     "mergekit",
@@ -63,8 +65,8 @@ GRAPH = {
 
 
 def layer(name: str) -> int | None:
-    """0 core, 1 integration, 2 commands (`python -m mergekit_ram` runs a
-    command); None for the top-level package."""
+    """0 core, 1 integration, 2 analysis, 3 commands (`python -m
+    mergekit_ram` runs a command); None for the top-level package."""
     parts = name.split(".")
     if parts[1:] == ["__main__"]:
         return LAYERS["commands"]

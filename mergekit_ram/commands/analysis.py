@@ -4,7 +4,7 @@ The analysis plans the configuration exactly as a merge would (mergekit's
 MergePlanner, without our RAM+ hook so nothing is counted twice) and runs the
 one statistics engine (integration.statistics) over the planned groups:
 every tensor group is read once, counted, and dropped. The report
-(commands.report) is derived from the resulting OverlapStatistics alone, so
+(analysis.report) is derived from the resulting OverlapStatistics alone, so
 `mergekit-ram merge --report` can build the very same report from the
 statistics its merge already computed.
 
@@ -15,7 +15,7 @@ For any other merge method only the models and the base matter and the paper
 defaults are used (epsilon 1e-5, r 0.1, alpha 2, clip, global). `--epsilon`
 overrides epsilon in both cases.
 
-The same pass sums the task vectors' inner products (core.regime), so the
+The same pass sums the task vectors' inner products (core.products), so the
 report also says how much of each task vector RAM, RAM+ and task arithmetic
 would keep, without merging or a second read.
 """
@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.core.counting import OverlapStatistics
+from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis
+from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.card import shared_mode
-from mergekit_ram.integration.context import MergeRun, merge_run
-from mergekit_ram.integration.install import install
+from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.statistics import count_planned, plan_merges
 from mergekit_ram.integration.validation import (
@@ -41,41 +39,6 @@ from mergekit_ram.integration.validation import (
     check_plan,
     resolved_values,
 )
-
-PAPER_R = 0.1
-PAPER_DEFAULTS = MergeSettings(
-    epsilon=1e-5, r=PAPER_R, alpha=2.0, saturation="clip", statistics="global"
-)
-
-
-@dataclass
-class Analysis:
-    """What one statistics pass yields, with the settings it was made for."""
-
-    method: str
-    base_model: str | None
-    settings: MergeSettings
-    stats: OverlapStatistics
-    scales: dict[Hashable, float]
-    # How much of λ survived the written dtype: only a merge counts it.
-    survival: SurvivalTally | None = None
-    # The configuration's `shared` mode, for the verdict's advice (None: unknown).
-    shared: str | None = None
-
-    @classmethod
-    def from_merge(cls, config: Any, run: MergeRun) -> Analysis:
-        """From the (settings, statistics, scales) a RAM+ merge computed."""
-        settings, stats, scales = run.result
-        base = config.base_model
-        return cls(
-            config.merge_method,
-            None if base is None else str(base),
-            settings,
-            stats,
-            dict(scales),
-            run.tally,
-            shared_mode(run.values),
-        )
 
 
 def resolve_settings(

@@ -24,10 +24,10 @@ from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import MergeMethod
 from mergekit.options import MergeOptions
 
+from mergekit_ram.commands.install import install
 from mergekit_ram.core.checks import from_base
 from mergekit_ram.core.parallel import workers
 from mergekit_ram.integration.cpus import usable_cpus
-from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import RAMMerge
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module

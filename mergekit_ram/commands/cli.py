@@ -181,7 +181,7 @@ def main() -> None:
 )
 def demo(out_dir: str | None) -> None:
     from mergekit_ram.commands.demo import run_demo
-    from mergekit_ram.integration.install import install
+    from mergekit_ram.commands.install import install
 
     install()
     if out_dir is not None:

@@ -17,12 +17,12 @@ import os
 import tempfile
 import time
 
+from mergekit_ram.analysis.tables import SHARE_HEADERS, share_cells, text_table
+from mergekit_ram.commands.install import install
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
-from mergekit_ram.integration.install import install
 from mergekit_ram.integration.statistics import STATISTICS_FILE
-from mergekit_ram.integration.tables import SHARE_HEADERS, share_cells, text_table
 
 # What the demo writes into its folder, and nothing else.
 MODELS, CONFIG, MERGED = "models", "ramplus.yml", "merged"

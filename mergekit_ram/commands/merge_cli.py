@@ -20,8 +20,8 @@ from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from pydantic import ValidationError
 
 from mergekit_ram.commands.cli import COMMANDS, keep_help
+from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.install import install
 from mergekit_ram.integration.methods import METHODS, is_ours
 from mergekit_ram.integration.validation import (
     DuplicateKey,
@@ -203,7 +203,7 @@ def _refuse_report_folder(config: Any, folder: str | None) -> None:
 
 
 def _emit(report: dict, out_dir: str | None) -> None:
-    from mergekit_ram.commands.render import render_text
+    from mergekit_ram.analysis.render import render_text
     from mergekit_ram.commands.report_files import write_report
 
     click.echo(render_text(report), nl=False)
@@ -239,8 +239,8 @@ def merge(
         run_merge(config, out_path, options=merge_options, config_source=source)
         return
 
+    from mergekit_ram.analysis.report import build_report
     from mergekit_ram.commands.analysis import merge_with_analysis
-    from mergekit_ram.commands.report import build_report
 
     analysis = merge_with_analysis(
         config, out_path, merge_options, source, echo=click.echo
@@ -312,8 +312,8 @@ def analyze(
     epsilon: float | None,
     r_values: str | None,
 ) -> None:
+    from mergekit_ram.analysis.report import build_report
     from mergekit_ram.commands.analysis import analyze_config
-    from mergekit_ram.commands.report import build_report
 
     sweep = None
     if r_values is not None:

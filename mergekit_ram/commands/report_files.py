@@ -8,8 +8,8 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from mergekit_ram.commands import figures
-from mergekit_ram.commands.render import REPORT_JSON, render_markdown
+from mergekit_ram.analysis import figures
+from mergekit_ram.analysis.render import REPORT_JSON, render_markdown
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.output_folder import plain_json
 from mergekit_ram.integration.statistics import strict_json

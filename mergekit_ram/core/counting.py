@@ -5,7 +5,7 @@ one count, which the merge's tensor-local λ uses too); `OverlapStatistics`
 adds groups up per task, in total and per output tensor.
 Pairwise intersections |m_s ∧ m_t| (for Jaccard overlaps) are counted
 alongside, from the same masks. Asked for (`inner_products`), the same pass
-also sums the task vectors' inner products from which `core.regime` derives
+also sums the task vectors' inner products from which `analysis.regime` derives
 how much of each task vector a merge keeps. Streaming over a planned
 mergekit merge is mergekit_ram.integration.statistics.
 """
@@ -28,7 +28,7 @@ from mergekit_ram.core.kernel import (
     task_vector_into,
 )
 from mergekit_ram.core.parallel import one_cpu_thread
-from mergekit_ram.core.regime import Products, inner_products
+from mergekit_ram.core.products import Products, inner_products
 from mergekit_ram.core.scale import ScaleRule
 
 
@@ -175,7 +175,7 @@ class OverlapStatistics:
     num_tensors: int = 0
     num_elements: int = 0
     seconds: float = 0.0
-    # Also sum inner products per tensor (core.regime.Products) into `products`.
+    # Also sum inner products per tensor (core.products.Products) into `products`.
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
 

@@ -1,10 +1,9 @@
-"""Names: the part of a model a tensor belongs to (from its name alone), and
-short display names for models (reports and the model card)."""
+"""The part of a model a tensor belongs to, from its name alone (core.checks
+asks it which tensors have a vocabulary axis; the report groups by it)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 MODULES = ("embeddings", "attention", "mlp", "norms", "lm_head", "other")
 
@@ -23,17 +22,3 @@ def module_of(name: str) -> str:
     if re.search(r"mlp|feed_forward|ffn|(up|down|gate)_proj|(^|\.)fc\d", lower):
         return "mlp"
     return "other"
-
-
-def layer_of(name: str) -> int | None:
-    """The layer index in a tensor name (first all-digit component), or None."""
-    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
-    return int(match.group(1)) if match else None
-
-
-def labels_for(models: Sequence[str]) -> dict[str, str]:
-    """Short names: last path component, or the full name where those collide."""
-    short = {m: m.split("+")[0].rstrip("/").split("/")[-1] or m for m in models}
-    if len(set(short.values())) < len(short):
-        return {m: m for m in models}
-    return short

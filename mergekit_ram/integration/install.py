@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import _mergekit_ram_autoload as autoload
 
@@ -75,23 +75,20 @@ def patch_planner(plan: ModuleType) -> None:
             setattr(planner, name, wrap(current))
 
 
+# The card's RAM+ statistics section of a merge run: set by `install`'s
+# caller (mergekit_ram.commands.install hands analysis.card's builder down,
+# since integration imports no analysis); none until then.
+_card_section: list[Callable[[Any], str]] = []
+
+
 def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section to mergekit's model card; for a RAM
-    merge, name its variant and the base model's licence and list its models
-    in the configuration's order; and keep the card's hub lookup from failing
-    or stalling a finished RAM merge offline."""
-    from mergekit_ram.integration.card import (
-        described_card,
-        in_config_order,
-        shared_mode,
-    )
+    """Add the RAM+ statistics section (`_card_section`) to mergekit's model
+    card; for a RAM merge, name its variant and the base model's licence and
+    list its models in the configuration's order; and keep the card's hub
+    lookup from failing or stalling a finished RAM merge offline."""
+    from mergekit_ram.integration.card import described_card, in_config_order
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.methods import is_ours
-    from mergekit_ram.integration.statistics import (
-        card_section,
-        local_card_section,
-        statistics_for_card,
-    )
 
     original = getattr(merge, "generate_card", None)
     if not callable(original):
@@ -124,11 +121,8 @@ def patch_card(merge: ModuleType) -> None:
         card = original(config=config, config_yaml=config_yaml, name=name)
         if ours:
             card = described_card(card, config, values)
-        result = statistics_for_card()
-        if result is not None:
-            return card + card_section(*result, shared=shared_mode(values))
-        if run is not None and run.local.tasks:
-            return card + local_card_section(run.local, run.tally)
+        if run is not None and _card_section:
+            card += _card_section[0](run)
         return card
 
     is_hf.__mergekit_ram__ = lookup
@@ -202,13 +196,18 @@ PATCHES = (
 )
 
 
-def install(eager: bool = True) -> None:
+def install(
+    eager: bool = True, card_section: Callable[[Any], str] | None = None
+) -> None:
     """Register the methods and patch what of mergekit is loaded.
 
     With eager=False (called while mergekit is still importing) a module that
     is not completely loaded yet is left for the autoload hook to patch when
-    its import finishes.
+    its import finishes. `card_section`: what the card adds for a merge run
+    (a MergeRun → its Markdown section); None keeps the one given before.
     """
+    if card_section is not None:
+        _card_section[:] = [card_section]
     for patch in PATCHES:
         module = patch.module
         loaded = module in sys.modules and not autoload.loading(module)

@@ -1,4 +1,4 @@
-"""Whole-model statistics for RAM+: the pass, its read-ahead, the document, the card.
+"""Whole-model statistics for RAM+: the pass, its read-ahead, the document.
 
 The paper computes each agent's C, S and U over the whole model before any
 tensor is merged. `MergePlanner._plan` is wrapped (`patched_plan`): once
@@ -9,9 +9,9 @@ gather tasks, one group in memory at a time, walked in the reverse of the
 merge's order with the next group's bytes read ahead (`ReadAhead`); λ goes
 to every planned task as its models' `unique_scale`. `plan_to_disk` gets a
 last task that writes ram_statistics.json (`statistics_document`) once the
-model is finalized, in the staging folder `publishing` publishes. The card
-hook adds `card_section` (global) or `local_card_section` (tensor-local).
-`mergekit-ram analyze` counts through `count_planned` too.
+model is finalized, in the staging folder `publishing` publishes. The model
+card's section on these statistics is `analysis.card`'s. `mergekit-ram
+analyze` counts through `count_planned` too.
 
 mergekit names read here that it does not publish: `MergePlanner._tensors`
 (the planned tasks), `LoadTensor._resolve_name` (which tensor a load reads).
@@ -37,30 +37,20 @@ from pydantic import PrivateAttr
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
-    LocalScales,
     OverlapStatistics,
-    TaskCounts,
     group_tensors,
 )
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.core.verdict import verdict_of
-from mergekit_ram.integration.card import where_from
 from mergekit_ram.integration.checkpoints import safetensors_spans
 from mergekit_ram.integration.context import MergeRun, current_run
 from mergekit_ram.integration.methods import as_ram_task, is_ours
-from mergekit_ram.integration.tables import (
-    SHARE_HEADERS,
-    markdown_table,
-    percent,
-    share_cells,
-)
 from mergekit_ram.integration.validation import check_plan, resolved_values
 
 LOG = logging.getLogger("mergekit_ram")
 
 
-# --- the statistics document and the card section ---------------------------
+# --- the statistics document ---------------------------
 
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -134,87 +124,6 @@ def strict_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [strict_json(item) for item in value]
     return value
-
-
-# What the card's columns are shares of, one line each (Markdown list).
-CARD_LEGEND = (
-    "- *changed*: the parameters the agent changes (|θ_t − θ₀| > epsilon), "
-    "as a share of all the parameters (elements) counted above.",
-    "- *unique* / *shared*: shares of that agent's own changes that no other "
-    "agent makes / that at least one other agent makes too.",
-    "- *ρ = S/U*: its shared changes per unique one; *λ*: the factor RAM+ "
-    "multiplies its unique changes by.",
-    "- *λ survives*: the share of the agent's λ-scaled unique elements whose "
-    "written value, rounded to the output dtype, still differs from plain RAM's "
-    "(λ = 1); – when none was scaled.",
-)
-
-
-def card_section(
-    settings: MergeSettings,
-    stats: OverlapStatistics,
-    scales: Mapping[Hashable, float],
-    survival: SurvivalTally | None = None,
-    shared: str | None = None,
-) -> str:
-    """A short model-card section with the per-agent table.
-
-    With a survival tally, a column says which share of each task's rescaled
-    unique elements the rescale still changes in the written model; `shared`
-    (the configuration's mode) keeps the verdict from advising it again.
-    """
-    intro = (
-        f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
-        f"r = {settings.r:g}, {settings.rule.saturation_text()}) over "
-        f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
-        f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
-        f"Full counts are in `{STATISTICS_FILE}`.\n\n"
-        f"**Verdict:** {verdict_of(stats, shared).sentence}"
-    )
-    lam = {task: f"{scales.get(task, 1.0):.4f}" for task in stats.tasks}
-    return _section("RAM+ statistics", intro, stats.tasks, lam, survival)
-
-
-def local_card_section(local: LocalScales, survival: SurvivalTally | None) -> str:
-    """The card's section for tensor-local RAM+: each tensor's λ came from
-    its own overlap, so the table shows each agent's counts summed over the
-    tensors and the range of λ they gave it."""
-    elements = max((counts.elements for counts in local.tasks.values()), default=0)
-    intro = (
-        f"Tensor-local RAM+ (statistics: tensor): every tensor's λ comes from "
-        f"that tensor's own overlap, over {len(local.names)} tensors and "
-        f"{elements:,} elements; the counts below are summed over them, and λ "
-        "is the smallest to the largest a tensor gave the agent. Computed by "
-        f"mergekit-ram (a plugin for mergekit, {where_from()})."
-    )
-    lam = {
-        task: f"{low:.4f}" if low == high else f"{low:.4f}–{high:.4f}"
-        for task, (low, high) in local.scales.items()
-    }
-    return _section("RAM+ statistics (tensor-local)", intro, local.tasks, lam, survival)
-
-
-def _section(
-    title: str,
-    intro: str,
-    tasks: Mapping[Hashable, TaskCounts],
-    lam: Mapping[Hashable, str],
-    survival: SurvivalTally | None,
-) -> str:
-    """A card section: a title, its introduction, the per-agent table, the legend."""
-    counts = {} if survival is None else survival.counts
-    rows = []
-    for task, found in tasks.items():
-        rescaled, survived = counts.get(task, (0, 0))
-        shares = share_cells(found.elements, found.changed, found.unique, found.shared)
-        rows.append([str(task), *shares, lam[task], percent(survived, rescaled, 1)])
-    headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
-    lines = ["", f"### {title}", "", intro, ""]
-    lines += markdown_table(headers, rows)
-    lines += ["", *CARD_LEGEND]
-    if survival is not None and survival.lost():
-        lines += ["", survival.warning()]
-    return "\n".join(lines) + "\n"
 
 
 # --- the pass ------------------------------------------------------------------
@@ -596,15 +505,6 @@ def patched_plan_to_disk(original):
 
     plan_to_disk.__mergekit_ram__ = original
     return plan_to_disk
-
-
-def statistics_for_card() -> tuple | None:
-    """(settings, statistics, scales, survival tally) of the merge in progress,
-    for its model card; None when it computed no statistics."""
-    run = current_run()
-    if run is None or run.result is None:
-        return None
-    return (*run.result, run.tally)
 
 
 def plan_merges(config: Any, options: Any) -> list[Any]:

@@ -1,8 +1,8 @@
 """The pairwise overlap of task models' change masks (report.json `pairwise`).
 
 Observed from the counted statistics, next to what independent supports with
-the same per-tensor densities would give (core.regime's expectations); the
-report and the verdict (core.verdict) both read it.
+the same per-tensor densities would give (analysis.regime's expectations); the
+report and the verdict (analysis.verdict) both read it.
 """
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from mergekit_ram.analysis.regime import expected_intersections, jaccard, ratio
 from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.regime import expected_intersections, jaccard, ratio
 
 
 def changed_per_tensor(
     stats: OverlapStatistics, ids: Sequence[Hashable]
 ) -> list[tuple[int, list[int]]]:
     """Per tensor: (elements, each task's changed count), the groups
-    core.regime's expectations take."""
+    analysis.regime's expectations take."""
     groups = []
     for per_task in stats.per_tensor.values():
         if not per_task:

@@ -12,9 +12,9 @@ verdict", says which measurements each was chosen from):
 - which agent RAM would dilute: the one with the lowest retention under RAM,
   with every agent within a factor ALONE of it, unless every agent keeps at
   least KEPT_WHOLE of its task vector;
-- what to try beside RAM: what benchmarks/agents measured in that case
-  (FINDINGS), as something to try, with its confidence interval; never what
-  the configuration already uses (`shared`).
+- what to try beside RAM: what benchmarks/agents measured in that case, as
+  something to try, pointing to the numbers (docs/analyze.md, "What the
+  benchmark measured"); never what the configuration already uses (`shared`).
 
 Task models that change no element above epsilon are named as such: they add
 nothing to the merge, so RAM neither dilutes nor keeps them, and when none
@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mergekit_ram.analysis.naming import labels_for
+from mergekit_ram.analysis.pairs import pairwise
+from mergekit_ram.analysis.regime import ratio, retentions
 from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.naming import labels_for
-from mergekit_ram.core.pairs import pairwise
-from mergekit_ram.core.regime import ratio, retentions
 
 # A pair overlaps when its lift (observed overlap / the overlap of independent
 # supports) is at least this, and avoids each other at most its inverse; a
@@ -49,36 +49,11 @@ ALONE = 0.9
 KINDS = ("nested", "overlapping", "disjoint", "independent")
 
 
-@dataclass(frozen=True)
-class Finding:
-    """One merge of benchmarks/agents against the regime's best tuned baseline:
-    the difference in average exact accuracy, points, with its 95 % CI."""
-
-    difference: float
-    low: float
-    high: float
-
-    def __str__(self) -> str:
-        return f"{self.difference:+.1f} [{self.low:+.1f}, {self.high:+.1f}] points"
-
-
-# benchmarks/agents/results/results.json, `paired` (tests/test_core_verdict.py
-# checks these against it). heterogeneous: independent supports, one sparse
-# agent (recall); homogeneous: overlapping supports.
-FINDINGS = {
-    ("heterogeneous", "ram"): Finding(-4.0, -5.8, -2.3),
-    ("heterogeneous", "shared_ties"): Finding(1.1, -0.2, 2.4),
-    ("homogeneous", "ram"): Finding(-4.7, -6.4, -2.9),
-    ("homogeneous", "ramplus_fp32"): Finding(-2.7, -4.2, -1.1),
-    ("homogeneous", "shared_ties"): Finding(-6.2, -8.2, -4.3),
-}
-# Each regime's best tuned baseline (`reference` there), which FINDINGS are against.
-BASELINES = {"heterogeneous": "task arithmetic", "homogeneous": "DARE+TIES"}
-# How much of the heterogeneous sparse agent's task vector each merge kept.
-SPARSE_KEPT = {"ram": 0.60, "shared_ties": 0.97}
-
 TUNED = "tuned task arithmetic / TIES / DARE"
 BENCHMARK = "mergekit-ram's agent benchmark"
+# Where its numbers are (documentation, not code: a test checks them against
+# benchmarks/agents/results/results.json).
+MEASURED = "numbers: mergekit-ram's docs/analyze.md#what-the-benchmark-measured"
 
 
 @dataclass(frozen=True)
@@ -393,10 +368,8 @@ def _advice(supports: str, alone: bool, shared: str | None = None) -> str:
         used = ", which this configuration uses," if ties else ""
         return (
             f"beside RAM, try {TUNED}: in {BENCHMARK} with overlapping supports "
-            f"RAM scored {FINDINGS['homogeneous', 'ram']} against the best tuned "
-            f"baseline ({BASELINES['homogeneous']}), RAM+ written in float32 "
-            f"{FINDINGS['homogeneous', 'ramplus_fp32']} and `shared: ties`{used} "
-            f"{FINDINGS['homogeneous', 'shared_ties']}"
+            f"RAM, RAM+ written in float32 and `shared: ties`{used} all scored "
+            f"below the best tuned baseline ({MEASURED})"
         )
     if alone and ties:
         return (
@@ -408,19 +381,16 @@ def _advice(supports: str, alone: bool, shared: str | None = None) -> str:
         return f"beside RAM, try `shared: ties`, {_ties_kept('')}, and {TUNED}"
     return (
         f"compare with {TUNED}: in neither regime of {BENCHMARK} did RAM beat "
-        f"the best tuned one ({FINDINGS['heterogeneous', 'ram']} with independent "
-        f"supports, {FINDINGS['homogeneous', 'ram']} with overlapping ones)"
+        f"the best tuned one ({MEASURED})"
     )
 
 
 def _ties_kept(note: str) -> str:
     """What `shared: ties` did for the benchmark's sparse agent: the evidence
     for trying it, or for keeping it where it is in use (`note` inside the
-    parenthesis on retention)."""
+    parenthesis)."""
     return (
-        f"which kept such an agent's task vector in {BENCHMARK} (retention "
-        f"{SPARSE_KEPT['shared_ties']:.2f} against RAM's {SPARSE_KEPT['ram']:.2f}"
-        f"{note}) and scored {FINDINGS['heterogeneous', 'shared_ties']} against "
-        f"the best tuned baseline ({BASELINES['heterogeneous']}) where RAM scored "
-        f"{FINDINGS['heterogeneous', 'ram']}"
+        f"which kept such an agent's task vector in {BENCHMARK} and scored "
+        f"level with the best tuned baseline there, where RAM scored below it "
+        f"({MEASURED}{note})"
     )

@@ -1,8 +1,12 @@
-"""The one table renderer: plain text for terminals, Markdown for files."""
+"""The report model and its two renderings: a `Section` is a titled table
+with paragraphs around it, drawn as plain text for terminals or as Markdown
+for files (report.md, the model card)."""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -50,3 +54,39 @@ def markdown_table(headers: Sequence[Any], rows: Sequence[Sequence[Any]]) -> lis
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
     return [line(headers), "|" + "---|" * len(headers)] + [line(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A titled table, `notes` after it and `intro` before it."""
+
+    title: str
+    notes: Sequence[str]
+    headers: Sequence[Any]
+    rows: Sequence[Sequence[Any]]
+    intro: Sequence[str] = ()
+
+    def text(self, width: int = 100) -> list[str]:
+        """`title:`, the aligned table, paragraphs wrapped at `width`."""
+
+        def wrapped(paragraphs: Sequence[str]) -> list[str]:
+            return [line for p in paragraphs for line in textwrap.wrap(p, width)]
+
+        table = text_table(self.headers, self.rows)
+        return [
+            "",
+            self.title + ":",
+            *wrapped(self.intro),
+            *table,
+            *wrapped(self.notes),
+        ]
+
+    def markdown(self, level: int = 2) -> list[str]:
+        """A heading of `level`, then each paragraph and the table, blank-line apart."""
+        lines = ["", "#" * level + " " + self.title, ""]
+        for paragraph in self.intro:
+            lines += [paragraph, ""]
+        lines += markdown_table(self.headers, self.rows)
+        for paragraph in self.notes:
+            lines += ["", paragraph]
+        return lines

@@ -1,21 +1,66 @@
 """The analysis report document (report.json), from one statistics pass.
 
+`Analysis` is what the pass yields (from `mergekit-ram analyze` or from a
+merge's own statistics); `build_report` derives the whole document from it.
 The schema is docs/report_schema.md (schema_version SCHEMA_VERSION).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.commands.analysis import PAPER_R, Analysis
+from mergekit_ram.analysis.naming import labels_for, layer_of
+from mergekit_ram.analysis.pairs import changed_per_tensor, pairwise
+from mergekit_ram.analysis.regime import METHODS, expected_unique, ratio, retentions
+from mergekit_ram.analysis.verdict import verdict_of
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
-from mergekit_ram.core.naming import MODULES, labels_for, layer_of, module_of
-from mergekit_ram.core.pairs import changed_per_tensor, pairwise
-from mergekit_ram.core.regime import METHODS, expected_unique, ratio, retentions
+from mergekit_ram.core.naming import MODULES, module_of
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.verdict import verdict_of
+from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.integration.card import shared_mode
+from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import statistics_document, with_survival
+
+# RAM+'s r in the paper: the sweep and retention use it where a configuration has r = 0.
+PAPER_R = 0.1
+# The paper's settings: what a configuration of another merge method is analysed with.
+PAPER_DEFAULTS = MergeSettings(
+    epsilon=1e-5, r=PAPER_R, alpha=2.0, saturation="clip", statistics="global"
+)
+
+
+@dataclass
+class Analysis:
+    """What one statistics pass yields, with the settings it was made for."""
+
+    method: str
+    base_model: str | None
+    settings: MergeSettings
+    stats: OverlapStatistics
+    scales: dict[Hashable, float]
+    # How much of λ survived the written dtype: only a merge counts it.
+    survival: SurvivalTally | None = None
+    # The configuration's `shared` mode, for the verdict's advice (None: unknown).
+    shared: str | None = None
+
+    @classmethod
+    def from_merge(cls, config: Any, run: MergeRun) -> Analysis:
+        """From the (settings, statistics, scales) a RAM+ merge computed."""
+        settings, stats, scales = run.result
+        base = config.base_model
+        return cls(
+            config.merge_method,
+            None if base is None else str(base),
+            settings,
+            stats,
+            dict(scales),
+            run.tally,
+            shared_mode(run.values),
+        )
+
 
 SCHEMA_VERSION = 1
 
@@ -62,7 +107,7 @@ def retention_rule(analysis: Analysis) -> ScaleRule:
 def retention(
     analysis: Analysis, explicit: dict[Hashable, float]
 ) -> dict[Hashable, dict[str, float | None]] | None:
-    """Per task, retention under each core.regime method; None without
+    """Per task, retention under each analysis.regime method; None without
     inner products (statistics counted without them).
 
     RAM+ uses retention_rule's λ in the configuration's statistics scope,

@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mergekit_ram.analysis.regime import METHODS
+
 INSTALL_HINT = "pip install 'mergekit-ram[plots]'"
 DPI = 100
 # file name → (width, height) in inches; pixels = inches × DPI.
@@ -20,13 +22,6 @@ FIGURES = {
     "density_per_layer.png": (8.0, 4.5),
     "jaccard.png": (6.0, 5.0),
     "regime.png": (11.0, 4.5),
-}
-# Bars of `regime.png`: retention method → legend label.
-RETENTION_LABELS = {
-    "ram": "RAM",
-    "ramplus": "RAM+",
-    "ta_mean": "TA 1/N",
-    "ta_sum": "TA 1",
 }
 
 
@@ -198,7 +193,7 @@ def regime(report: Mapping[str, Any], path: str) -> None:
             heights,
             width,
             color=color,
-            label=RETENTION_LABELS.get(method, method),
+            label=METHODS.get(method, method),
         )
         drawn += heights
     # Room above the bars for the legend.

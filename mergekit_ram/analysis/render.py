@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import textwrap
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.commands.analysis import PAPER_R
+from mergekit_ram.analysis.regime import METHODS
+from mergekit_ram.analysis.report import PAPER_R
+from mergekit_ram.analysis.tables import Section, percent
+from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING, unique_share_departure
 from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.verdict import NESTED, OVERLAPPING, unique_share_departure
 from mergekit_ram.integration.methods import is_ours
-from mergekit_ram.integration.tables import markdown_table, percent, text_table
 
 REPORT_JSON = "report.json"
 
@@ -28,15 +30,6 @@ def _rho(value: float | None) -> str:
 
 def _share(value: float | None) -> str:
     return "–" if value is None else f"{100.0 * value:.1f} %"
-
-
-# report.json's retention methods → column headers.
-METHOD_HEADERS = {
-    "ram": "RAM",
-    "ramplus": "RAM+",
-    "ta_mean": "TA 1/N",
-    "ta_sum": "TA 1",
-}
 
 
 def _rule(report: Mapping[str, Any]) -> ScaleRule:
@@ -90,7 +83,7 @@ def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def regime_sections(
     report: Mapping[str, Any],
-) -> list[tuple[str, list[str], list, list]]:
+) -> list[Section]:
     """The two tables that say which regime the task models are in."""
     tasks = report["tasks"]
     label = {t["model"]: t["label"] for t in tasks}
@@ -112,7 +105,7 @@ def regime_sections(
             )
     if rows:
         out.append(
-            (
+            Section(
                 "Overlap against independent supports",
                 [
                     "expected = Σ over tensors of n·d_s·d_t: the overlap of "
@@ -157,18 +150,18 @@ def regime_sections(
             "with weight 1/N, 1 per task."
         )
     out.append(
-        (
+        Section(
             "Unique share and retention",
             notes,
-            ["task", "unique %", "expected"] + [METHOD_HEADERS[m] for m in methods],
+            ["task", "unique %", "expected"] + [METHODS[m] for m in methods],
             rows,
         )
     )
     return out
 
 
-def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list]]:
-    """(title, notes, headers, rows) for each table of the report."""
+def sections(report: Mapping[str, Any]) -> list[Section]:
+    """Each table of the report, with its notes."""
     tasks = report["tasks"]
     label = {t["model"]: t["label"] for t in tasks}
     names = [t["label"] for t in tasks]
@@ -199,7 +192,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         )
     scope = report["statistics"]
     out.append(
-        (
+        Section(
             "Per task",
             [
                 "changed % = share of all parameters; unique % = share of the "
@@ -232,7 +225,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
             [t["label"]] + [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist[:n]]
         )
     out.append(
-        (
+        Section(
             "k-way overlap",
             [
                 "Each task's changed elements by how many other tasks change "
@@ -249,7 +242,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         for s, a in enumerate(pair["models"])
     ]
     out.append(
-        (
+        Section(
             "Pairwise overlap (Jaccard)",
             ["|m_s ∧ m_t| / |m_s ∨ m_t| of the change masks."],
             [""] + names,
@@ -277,7 +270,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         for e in report["per_module"]
     ]
     out.append(
-        (
+        Section(
             "Per module",
             [
                 "Share of the module's parameters each task changes (and the "
@@ -302,7 +295,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
         )
     if rows:
         out.append(
-            (
+            Section(
                 "Per layer",
                 ["Share of each layer's parameters the task changes."],
                 ["layer", "elements"] + names,
@@ -329,7 +322,7 @@ def sections(report: Mapping[str, Any]) -> list[tuple[str, list[str], list, list
                 "r = 0 in this configuration (RAM: every λ is 1); the sweep "
                 f"shows RAM+ at the paper's r = {PAPER_R:g}. Try --r 0,0.05,0.1,0.2."
             )
-        out.append(("λ sweep over r", notes, ["r"] + names, rows))
+        out.append(Section("λ sweep over r", notes, ["r"] + names, rows))
     return out
 
 
@@ -348,34 +341,51 @@ def _header(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class Document:
+    """The report once, for both renderings: its title, what was measured
+    (`header`), the verdict, the tables, and each model's label."""
+
+    title: str
+    header: list[str]
+    verdict: str
+    sections: list[Section]
+    labels: dict[str, str]
+
+
+def document(report: Mapping[str, Any]) -> Document:
+    """report.json's report model."""
+    return Document(
+        "mergekit-ram analysis",
+        _header(report),
+        report["verdict"]["sentence"],
+        sections(report),
+        {t["model"]: t["label"] for t in report["tasks"]},
+    )
+
+
 def render_text(report: Mapping[str, Any]) -> str:
-    """The terminal report."""
-    lines = _header(report) + [""]
-    lines += textwrap.wrap("Verdict: " + report["verdict"]["sentence"], 100)
-    for title, notes, headers, rows in sections(report):
-        lines += ["", title + ":"]
-        lines += text_table(headers, rows)
-        lines += [wrapped for note in notes for wrapped in textwrap.wrap(note, 100)]
-    labels = {t["model"]: t["label"] for t in report["tasks"]}
-    if any(k != v for k, v in labels.items()):
-        lines += ["", "Models:"] + [f"  {v} = {k}" for k, v in labels.items()]
+    """The terminal report (models listed only where a label shortens one)."""
+    doc = document(report)
+    lines = doc.header + [""] + textwrap.wrap("Verdict: " + doc.verdict, 100)
+    for section in doc.sections:
+        lines += section.text()
+    if any(model != label for model, label in doc.labels.items()):
+        lines += ["", "Models:"] + [f"  {v} = {k}" for k, v in doc.labels.items()]
     return "\n".join(lines) + "\n"
 
 
 def render_markdown(
     report: Mapping[str, Any], figures: Sequence[str] = (), note: str | None = None
 ) -> str:
-    """report.md: the same tables, with the figures."""
-    lines = ["# mergekit-ram analysis", ""]
-    lines += [line + "  " for line in _header(report)]
-    lines += ["", f"**Verdict:** {report['verdict']['sentence']}"]
-    for title, notes, headers, rows in sections(report):
-        lines += ["", f"## {title}", ""]
-        lines += markdown_table(headers, rows)
-        for line in notes:
-            lines += ["", line]
+    """report.md: the same report model, with the figures."""
+    doc = document(report)
+    lines = [f"# {doc.title}", ""] + [line + "  " for line in doc.header]
+    lines += ["", f"**Verdict:** {doc.verdict}"]
+    for section in doc.sections:
+        lines += section.markdown()
     lines += ["", "## Models", ""]
-    lines += [f"- {t['label']}: `{t['model']}`" for t in report["tasks"]]
+    lines += [f"- {label}: `{model}`" for model, label in doc.labels.items()]
     if figures or note:
         lines += ["", "## Figures", ""]
         lines += [f"![{os.path.splitext(f)[0]}]({f})" for f in figures]

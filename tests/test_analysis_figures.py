@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergekit_ram.commands import figures
-from mergekit_ram.commands.analysis import PAPER_DEFAULTS, Analysis
-from mergekit_ram.commands.report import build_report
+from mergekit_ram.analysis import figures
+from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis, build_report
 from mergekit_ram.commands.report_files import write_report
 from mergekit_ram.core.counting import OverlapStatistics
 

@@ -1,6 +1,7 @@
-"""mergekit_ram.core.verdict: each threshold from both sides, the sentence,
-the benchmark findings it cites, and the agent it names on the two regimes of
-benchmarks/agents (their stored `analyze` reports)."""
+"""mergekit_ram.analysis.verdict: each threshold from both sides, the sentence,
+the benchmark numbers it points to (docs/analyze.md, checked here), and the
+agent it names on the two regimes of benchmarks/agents (their stored
+`analyze` reports)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from mergekit_ram.core.verdict import (
+from mergekit_ram.analysis.verdict import (
     ALONE,
-    BASELINES,
-    FINDINGS,
     KEPT_WHOLE,
+    MEASURED,
     NESTED,
     OVERLAPPING,
-    SPARSE_KEPT,
     judge,
     pair_supports,
     unique_share_departure,
@@ -110,11 +109,11 @@ def test_advice_follows_the_case():
     independent = three([0.6, 0.8, 0.8])
     assert independent.supports == "independent"
     assert "try `shared: ties`" in independent.sentence
-    assert str(FINDINGS["heterogeneous", "shared_ties"]) in independent.sentence
+    assert MEASURED in independent.sentence  # the numbers are docs/analyze.md's
     overlapping = three([0.6, 0.8, 0.8], lift=OVERLAPPING * UP)
     assert overlapping.supports == "overlapping"
     assert "`shared: ties`" in overlapping.sentence  # as a measured loss
-    assert str(FINDINGS["homogeneous", "ram"]) in overlapping.sentence
+    assert MEASURED in overlapping.sentence
     assert "try `shared: ties`" not in overlapping.sentence
     equal = three([0.7, 0.7, 0.7])
     assert "compare with tuned task arithmetic" in equal.sentence
@@ -211,13 +210,11 @@ def test_shared_ties_in_use_is_not_suggested():
     assert "try `shared: ties`" not in ties.sentence
     assert ties.sentence.endswith(
         "this configuration already uses `shared: ties`, which kept such an "
-        "agent's task vector in mergekit-ram's agent benchmark (retention "
-        f"{SPARSE_KEPT['shared_ties']:.2f} against RAM's {SPARSE_KEPT['ram']:.2f}; "
-        "the retention above is RAM with `shared: mean`) and scored "
-        f"{FINDINGS['heterogeneous', 'shared_ties']} against the best tuned "
-        f"baseline ({BASELINES['heterogeneous']}) where RAM scored "
-        f"{FINDINGS['heterogeneous', 'ram']}; beside it, compare with tuned task "
-        "arithmetic / TIES / DARE."
+        "agent's task vector in mergekit-ram's agent benchmark and scored level "
+        "with the best tuned baseline there, where RAM scored below it (numbers: "
+        "mergekit-ram's docs/analyze.md#what-the-benchmark-measured; the "
+        "retention above is RAM with `shared: mean`); beside it, compare with "
+        "tuned task arithmetic / TIES / DARE."
     )
     overlapping = three(kept, lift=OVERLAPPING * UP, shared="ties")
     assert "`shared: ties`, which this configuration uses, " in overlapping.sentence
@@ -232,21 +229,43 @@ def regimes() -> dict:
         return json.load(handle)["regimes"]
 
 
-def test_cited_findings_are_the_benchmarks():
-    """FINDINGS, BASELINES and SPARSE_KEPT quote results.json (rounded as cited)."""
+# docs/analyze.md's table of what the verdict's advice rests on: (regime,
+# results.json row) → the table's merge column.
+MEASURED_ROWS = {
+    ("heterogeneous", "ram"): "RAM",
+    ("heterogeneous", "shared_ties"): "RAM, `shared: ties`",
+    ("homogeneous", "ram"): "RAM",
+    ("homogeneous", "ramplus_fp32"): "RAM+ written in float32",
+    ("homogeneous", "shared_ties"): "RAM, `shared: ties`",
+}
+BASELINES = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
+
+
+def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
+    """docs/analyze.md, "What the benchmark measured", quotes results.json
+    (rounded as cited), and the verdict links to that section."""
+    docs = (Path(__file__).parent.parent / "docs/analyze.md").read_text("utf-8")
+    assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
+    assert "\n## What the benchmark measured\n" in docs
+    rows = {
+        tuple(c.strip() for c in line.split("|")[1:-1]) for line in docs.split("\n")
+    }
     found = regimes()
-    for (regime, row), finding in FINDINGS.items():
+    for (regime, row), merge in MEASURED_ROWS.items():
         paired = found[regime]["paired"][row]
-        low, high = paired["ci95"]
-        assert (finding.difference, finding.low, finding.high) == tuple(
-            round(100 * v, 1) for v in (paired["difference"], low, high)
-        ), (regime, row)
-    names = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
-    for regime, baseline in BASELINES.items():
-        assert names[found[regime]["reference"]] == baseline
-    retention = found["heterogeneous"]["support"]["retention"]
-    for merge, kept in SPARSE_KEPT.items():
-        assert round(retention[merge]["recall"], 2) == kept
+        low, high = (round(100 * v, 1) for v in paired["ci95"])
+        cited = f"{round(100 * paired['difference'], 1):+.1f} [{low:+.1f}, {high:+.1f}]"
+        baseline = BASELINES[found[regime]["reference"]]
+        assert any(
+            r[0].startswith(regime) and r[1:] == (merge, baseline, cited)
+            for r in rows
+            if len(r) == 4
+        ), (regime, row, cited)
+    kept = found["heterogeneous"]["support"]["retention"]
+    assert (
+        f"RAM {kept['ram']['recall']:.2f}, RAM with `shared: ties` "
+        f"{kept['shared_ties']['recall']:.2f}."
+    ) in " ".join(docs.split())
 
 
 def probe_verdict(probe: dict):
