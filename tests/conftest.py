@@ -12,8 +12,6 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Kept --help texts go to a folder of the test run's, not the user's cache.
-os.environ["MERGEKIT_RAM_CACHE"] = __import__("tempfile").mkdtemp(prefix="mk-ram-help-")
 
 import json  # noqa: E402
 import shutil  # noqa: E402

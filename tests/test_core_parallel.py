@@ -12,7 +12,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
 import mergekit_ram
-from mergekit_ram.core import parallel
+from mergekit_ram.core import kernel, parallel
 from mergekit_ram.integration.cpus import usable_cpus
 
 
@@ -128,7 +128,7 @@ def test_one_pool_serves_a_whole_merge(family_bf16, tmp_path, monkeypatch):
         walks.append(1)
         return run_on(*args)
 
-    monkeypatch.setattr(mergekit_ram.core.kernel, "run_on", counted_walks)
+    monkeypatch.setattr(kernel, "run_on", counted_walks)
     text = family_bf16.yaml("ramplus", parameters={"r": 0.1})
     mergekit_ram.run_merge(
         MergeConfiguration.model_validate(yaml.safe_load(text)),

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 
@@ -120,6 +121,7 @@ def test_card_heading_and_licence_of_a_merge(family_f32, tmp_path):
     metadata = yaml.safe_load(card.split("---\n")[1])
     assert metadata["license"] == "apache-2.0"
     assert metadata["tags"] == ["mergekit", "merge"]  # mergekit's, as it wrote them
+    assert ModelCard(card).data.license == "apache-2.0"
 
 
 @pytest.mark.parametrize(
@@ -129,6 +131,8 @@ def test_card_heading_and_licence_of_a_merge(family_f32, tmp_path):
         "# No front matter\nlicense: mit\n",
         "---\ntags: [x]\n---\n",
         "---\nlicense: [a, b]\n---\n",
+        "---\nlicense: [unclosed\n---\n",  # not YAML
+        "---\n- license\n---\n",  # not a mapping
     ],
 )
 def test_no_licence_where_the_base_card_states_none(card, family_f32, tmp_path):
@@ -169,3 +173,32 @@ def test_no_licence_for_a_hub_id_the_cache_refuses(monkeypatch):
         {"merge_method": "ram", "base_model": "org/base", "models": [{"model": "a/b"}]}
     )
     assert base_license(config) is None
+
+
+MERGEKIT_CARD = (
+    "---\nbase_model: []\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n"
+    "\n---\n# Merged\n\n### Merge Method\n\nRAM.\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("licence", "card", "expected"),
+    [
+        # The licence closes the metadata; the rest of mergekit's card as it was.
+        (
+            "mit",
+            MERGEKIT_CARD,
+            MERGEKIT_CARD.replace("- merge\n\n---", "- merge\nlicense: mit\n---"),
+        ),
+        (None, MERGEKIT_CARD, MERGEKIT_CARD),  # none to add: not re-serialised
+        ("mit", "---\nlicense: other\n---\n# A\n", "---\nlicense: other\n---\n# A\n"),
+    ],
+)
+def test_described_card_adds_a_licence_only_where_the_card_has_none(
+    licence, card, expected, monkeypatch
+):
+    monkeypatch.setattr(results, "base_license", lambda _config: licence)
+    values = {"r": {0.0}, "shared": {"mean"}}
+    described = results.described_card(card, None, values)
+    heading = "### Merge Method: RAM (`shared: mean`)\n"
+    assert described == expected.replace("### Merge Method\n", heading)

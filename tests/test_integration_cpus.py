@@ -3,48 +3,41 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from mergekit_ram.core.parallel import worker_count
 from mergekit_ram.integration import cpus as machine_cpus
 
 
 @pytest.fixture
-def machine(tmp_path, monkeypatch):
-    """A fake cgroup v2 tree and affinity mask: machine(cpus, {path: cpu.max},
-    cgroup path of this process)."""
-
-    def make(cpus: int, limits: dict[str, str], own: str = "/") -> None:
-        root = tmp_path / "cgroup"
-        for folder, text in limits.items():
-            (root / folder.strip("/")).mkdir(parents=True, exist_ok=True)
-            (root / folder.strip("/") / "cpu.max").write_text(text + "\n")
-        (root / own.strip("/")).mkdir(parents=True, exist_ok=True)
-        membership = tmp_path / "self-cgroup"
-        membership.write_text(f"0::{own}\n")
-        monkeypatch.setattr(machine_cpus, "CGROUP_ROOT", root)
-        monkeypatch.setattr(machine_cpus, "PROC_CGROUP", membership)
-        monkeypatch.setattr(
-            machine_cpus.os, "sched_getaffinity", lambda _pid: set(range(cpus))
-        )
-
-    return make
+def torch_threads():
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize(
-    "cpus, limits, own, usable",
-    [
-        (8, {}, "/", 8),  # no cgroup file: the affinity mask
-        (8, {"/": "max 100000"}, "/", 8),  # no quota
-        (8, {"/": "150000 100000"}, "/", 2),  # 1.5 CPUs: two threads
-        (8, {"/": "50000 100000"}, "/", 1),  # half a CPU: still one
-        (2, {"/": "400000 100000"}, "/", 2),  # the mask is smaller
-        # A parent's quota binds its children; the smallest one counts.
-        (16, {"/a": "300000 100000", "/a/b": "max 100000"}, "/a/b", 3),
-        (16, {"/a": "600000 100000", "/a/b": "200000 100000"}, "/a/b", 2),
-        (8, {"/": "garbage"}, "/", 8),  # unreadable: ignored
-    ],
-)
-def test_usable_cpus_follow_affinity_and_cgroup_quota(
-    machine, cpus, limits, own, usable
-):
-    machine(cpus, limits, own)
+@pytest.mark.parametrize("mask", [{0}, {2, 5, 7}, set(range(64))])
+def test_usable_cpus_are_the_affinity_mask(mask, monkeypatch):
+    monkeypatch.setattr(machine_cpus.os, "sched_getaffinity", lambda _pid: mask)
+    monkeypatch.setattr(machine_cpus.os, "cpu_count", lambda: 128)
+    assert machine_cpus.usable_cpus() == len(mask)
+
+
+@pytest.mark.parametrize("count, usable", [(6, 6), (None, 1)])
+def test_without_an_affinity_call_every_cpu_counts(count, usable, monkeypatch):
+    """macOS and Windows have no os.sched_getaffinity; os.cpu_count() may be None."""
+    monkeypatch.delattr(machine_cpus.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(machine_cpus.os, "cpu_count", lambda: count)
     assert machine_cpus.usable_cpus() == usable
+
+
+@pytest.mark.parametrize("mask, threads, workers", [(8, 3, 3), (2, 6, 2)])
+def test_the_pool_is_the_mask_at_most_torch_threads(
+    mask, threads, workers, torch_threads, monkeypatch
+):
+    """A taskset mask and torch's thread setting, whichever is smaller."""
+    monkeypatch.setattr(
+        machine_cpus.os, "sched_getaffinity", lambda _pid: set(range(mask))
+    )
+    torch_threads(threads)
+    assert worker_count(torch.device("cpu"), machine_cpus.usable_cpus()) == workers

@@ -2,21 +2,15 @@
 
 The group imports click and nothing heavy: `merge` and `analyze` take
 mergekit's own options, whose module imports torch and transformers
-(seconds), so they live in `merge_cli`, imported when one of them runs.
-Their --help, rendered once, is kept in the user's cache, keyed on both
-packages' versions and sources and the terminal's width, and printed from
-there afterwards.
+(seconds), so they live in `merge_cli`, imported when one of them runs or
+shows its help (as long as `mergekit-yaml --help` takes).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import tempfile
 from importlib import import_module
-from importlib.metadata import distribution, version
-from pathlib import Path
+from importlib.metadata import version
 from typing import Any, NamedTuple
 
 import click
@@ -52,65 +46,6 @@ COMMANDS = {
         "the end (also on error or Ctrl-C).",
     ),
 }
-HELP_OPTIONS = ("-h", "--help")
-CACHE = "MERGEKIT_RAM_CACHE"  # where kept --help texts go ("" keeps none)
-
-
-def _help_file(ctx: click.Context) -> Path | None:
-    """Where `ctx`'s command keeps its rendered help (None: nowhere).
-
-    The key changes with anything that changes the text: either package's
-    version or option source, how the command was called, the width.
-    """
-    try:
-        root = os.environ.get(CACHE)
-        if root is None:
-            home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-            root = os.path.join(home, "mergekit-ram")
-        if not root:
-            return None
-        sources = [
-            Path(__file__).with_name("merge_cli.py"),
-            Path(distribution("mergekit").locate_file("mergekit/options.py")),
-        ]
-        key = (
-            ctx.command_path,
-            version("mergekit-ram"),
-            version("mergekit"),
-            [os.stat(source).st_mtime_ns for source in sources],
-            shutil.get_terminal_size().columns,
-        )
-        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        return Path(root, f"help-{ctx.info_name}-{digest}.txt")
-    except Exception:  # no home, no metadata: render the help each time
-        return None
-
-
-def keep_help(ctx: click.Context, text: str) -> None:
-    """Keep a command's rendered help for the next `--help` (best effort)."""
-    path = _help_file(ctx)
-    if path is None or path.exists():
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, delete=False, encoding="utf-8"
-        ) as handle:
-            handle.write(text)
-        os.replace(handle.name, path)
-    except OSError:
-        pass
-
-
-class _KeptHelp(click.Command):
-    """A command's help printed from the cache, without importing it."""
-
-    def __init__(self, name: str, text: str) -> None:
-        super().__init__(name)
-        self.text = text
-
-    def get_help(self, ctx: click.Context) -> str:
-        return self.text
 
 
 class _Commands(click.Group):
@@ -123,14 +58,6 @@ class _Commands(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         entry = COMMANDS.get(name)
         return None if entry is None else getattr(import_module(entry.module), name)
-
-    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
-        if len(args) == 2 and args[0] in COMMANDS and args[1] in HELP_OPTIONS:
-            kept = _help_file(click.Context(click.Command(args[0]), ctx, args[0]))
-            if kept is not None and kept.is_file():
-                text = kept.read_text(encoding="utf-8")
-                return args[0], _KeptHelp(args[0], text), args[1:]
-        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: Any) -> None:
         with formatter.section("Commands"):
@@ -158,7 +85,7 @@ def _show_versions(
         context.exit()
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": list(HELP_OPTIONS)})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--version",
     is_flag=True,

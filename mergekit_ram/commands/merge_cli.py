@@ -2,7 +2,7 @@
 
 mergekit's option module imports torch and transformers (seconds), so these
 two live apart from the command group (`cli`), which imports this module
-only when one of them runs or shows its help for the first time.
+only when one of them runs or shows its help.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions, PrettyPrintHelp, add_merge_options
 from pydantic import ValidationError
 
-from mergekit_ram.commands.cli import COMMANDS, keep_help
+from mergekit_ram.commands.cli import COMMANDS
 from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.methods import METHODS, is_ours
@@ -30,16 +30,6 @@ from mergekit_ram.integration.validation import (
     check_keys,
     written_document,
 )
-
-
-class _Command(PrettyPrintHelp):
-    """mergekit's grouped option help, kept for the next `--help` (cli)."""
-
-    def get_help(self, ctx: click.Context) -> str:
-        text = super().get_help(ctx)
-        keep_help(ctx, text)
-        return text
-
 
 SHOWN_LIMIT = 200  # characters of an offending value echoed back
 PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
@@ -212,7 +202,7 @@ def _emit(report: dict, out_dir: str | None) -> None:
         click.echo(message)
 
 
-@click.command("merge", cls=_Command, help=COMMANDS["merge"].help)
+@click.command("merge", cls=PrettyPrintHelp, help=COMMANDS["merge"].help)
 @click.argument("config_file", type=click.Path())
 @click.argument("out_path", type=click.Path())
 @click.option(
@@ -281,7 +271,7 @@ def _analyze_options_only(command: click.Command) -> click.Command:
 
 
 @_analyze_options_only
-@click.command("analyze", cls=_Command, help=COMMANDS["analyze"].help)
+@click.command("analyze", cls=PrettyPrintHelp, help=COMMANDS["analyze"].help)
 @click.argument("config_file", type=click.Path())
 @click.option(
     "--out",

@@ -3,10 +3,10 @@
 The merge kernel and the overlap count walk a tensor a chunk at a time; on
 CPU the chunks are shared out, in contiguous runs, among Python threads that
 each run their torch ops on one thread (no per-op synchronisation, and a busy
-core only slows its own run). How many: the CPUs this process may use (read
-off the machine by integration.cpus and passed in; torch's default thread
-count reads no CPU quota), and no more than torch's thread count, which a
-caller may have lowered on purpose. One pool serves a whole merge
+core only slows its own run). How many: the CPUs this process may use (its
+affinity mask, read off the machine by integration.cpus and passed in), and
+no more than torch's thread count, which a caller may have lowered on
+purpose. One pool serves a whole merge
 (`workers`), not one per tensor.
 """
 

@@ -88,28 +88,11 @@ def base_license(config: MergeConfiguration) -> str | None:
                 location.path, "README.md", revision=location.revision
             )
             readme = cached if isinstance(cached, str) else ""
-        with open(readme, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, ValueError):  # no such file; not a valid hub id
+        metadata = huggingface_hub.metadata_load(readme) or {}
+    except (OSError, ValueError, yaml.YAMLError):  # no file, bad id, not a mapping
         return None
-    front = front_matter(text)
-    value = None if front is None else front[0].get("license")
+    value = metadata.get("license")
     return value if isinstance(value, str) and value.strip() else None
-
-
-def front_matter(card: str) -> tuple[dict[str, Any], int] | None:
-    """A card's YAML front matter and the offset of its closing `---` line;
-    None without one (or when it is not a mapping)."""
-    if not card.startswith("---\n"):
-        return None
-    end = card.find("\n---", 3)
-    if end < 0:
-        return None
-    try:
-        data = yaml.safe_load(card[4:end])
-    except yaml.YAMLError:
-        return None
-    return (data, end) if isinstance(data, dict) else None
 
 
 def described_card(
@@ -117,17 +100,19 @@ def described_card(
 ) -> str:
     """mergekit's card for a RAM merge, with the variant in its Merge Method
     heading and the base model's licence in its metadata (mergekit writes
-    neither)."""
+    neither). The card's own text is kept byte for byte when no licence is
+    added."""
     card = card.replace(
         "### Merge Method\n", f"### Merge Method: {variant(values)}\n", 1
     )
     license_ = base_license(config)
-    front = front_matter(card)
-    if license_ is None or front is None or "license" in front[0]:
+    if license_ is None:
         return card
-    end = front[1]
-    entry = yaml.safe_dump({"license": license_}).rstrip("\n")
-    return card[:end].rstrip("\n") + "\n" + entry + card[end:]
+    model_card = huggingface_hub.ModelCard(card)
+    if model_card.data.license is not None:
+        return card
+    model_card.data.license = license_
+    return str(model_card)
 
 
 class _InConfigOrder(MergeConfiguration):
