@@ -521,7 +521,7 @@ def test_the_os_or_a_user_in_the_way_is_one_error_saying_where_out_stands(
     result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])
     monkeypatch.undo()
     assert result.exit_code == 2, result.output
-    assert result.output.startswith(f"Error: The merge into {out} stopped (")
+    assert result.output.startswith(f"Error: The merge into {out} stopped: ")
     assert f"{out} {said}." in result.output and "Traceback" not in result.output
     assert users(hashes(out)) == users(before) and not ours_left(out), result.output
     result = CliRunner().invoke(main, ["merge", str(config), str(out), "--quiet"])

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from filelock import FileLock, Timeout
+from safetensors import SafetensorError
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
@@ -278,6 +279,19 @@ def _locked(target: str, out: str) -> Iterator[None]:
         held.release()
 
 
+def _io_error(error: BaseException) -> bool:
+    """safetensors reports a failed write (a full disk, a file gone) as a
+    SafetensorError saying "I/O error", not as an OSError."""
+    return isinstance(error, SafetensorError) and "I/O error" in str(error)
+
+
+def _reason(error: BaseException) -> str:
+    """The OS's reason, with the path where the OS names one."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f" ({error.filename})" if error.filename else "")
+    return str(error).split("I/O error: ", 1)[-1]
+
+
 def _missing_folders(path: str) -> list[str]:
     """path and its missing parents, outermost first (removed if the run fails)."""
     missing = []
@@ -326,14 +340,23 @@ def staged_merge(
         for folder in reversed(made):
             with suppress(OSError):
                 os.rmdir(folder)
+        if isinstance(error, RAMInputError):
+            raise  # the user's input: it says so already
+        if isinstance(error, OSError) or _io_error(error):  # the user's environment
+            raise OutputError(
+                f"The merge into {out_path} stopped: {_reason(error)}; {out_path} "
+                f"{where}. Fix that (free space, permissions, a read-only mount), "
+                "then run the merge again."
+            ) from error
+        # Ctrl-C, SIGTERM, SIGHUP, or a bug of ours: one line on where OUT
+        # stands, then the original exception (a bug keeps its traceback).
         if isinstance(error, (KeyboardInterrupt, Interrupted)):
-            said = f"mergekit-ram: {signal_name(error)}: {out_path} {where}."
-            print(said, file=sys.stderr)
-        if isinstance(error, (RAMInputError, AssertionError)):
-            raise  # says it all already; or a failed invariant: a traceback
-        if not isinstance(error, Exception):
-            raise
-        raise OutputError(
-            f"The merge into {out_path} stopped ({type(error).__name__}: {error}); "
-            f"{out_path} {where}."
-        ) from error
+            print(
+                f"mergekit-ram: {signal_name(error)}: {out_path} {where}.",
+                file=sys.stderr,
+            )
+        elif isinstance(error, Exception):
+            print(
+                f"mergekit-ram: the merge stopped: {out_path} {where}.", file=sys.stderr
+            )
+        raise
