@@ -26,90 +26,13 @@ from safetensors import safe_open
 AGENTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "agents"
 sys.path.insert(0, str(AGENTS_DIR))
 
-from compare import main as compare_main  # noqa: E402
-from merges import grid_points, in_regime_dtype  # noqa: E402
-from results import keep_earlier_regimes, spearman  # noqa: E402
 from rl import (  # noqa: E402
     completion_mask,
-    group_advantages,
-    mask_gradients,
     policy_loss,
-    update_masks,
 )
 from safetensors.torch import save_file  # noqa: E402
 from stats import paired_bootstrap, support_statistics  # noqa: E402
-from tasks import SPLITS, TASKS, Example, take  # noqa: E402
-
-
-@pytest.mark.parametrize("name", list(TASKS))
-def test_splits_are_disjoint_seeded_and_distinct(name):
-    task = TASKS[name]
-    prompts = {split: [e.prompt for e in take(task, split, 0, 300)] for split in SPLITS}
-    for split, other in [
-        ("train", "test"),
-        ("train", "validation"),
-        ("test", "validation"),
-    ]:
-        assert not set(prompts[split]) & set(prompts[other])
-    assert all(len(set(listed)) == 300 for listed in prompts.values())
-    assert prompts["test"] == [e.prompt for e in take(task, "test", 0, 300)]
-    assert prompts["test"] != [e.prompt for e in take(task, "test", 1, 300)]
-
-
-def test_math_reward_reads_the_last_integer():
-    example = Example("What is 12 + 30? End with the result.", 42)
-    score = TASKS["math"].reward
-    assert score(example, "12 + 30 = 42") == 1.0
-    assert score(example, "42") == 1.0
-    assert score(example, "The answer is 41.") == 0.0
-    assert score(example, "42 or maybe 43") == 0.0
-    assert score(example, "no idea") == 0.0
-
-
-def test_tool_reward_is_exact_with_partial_credit():
-    call = {
-        "name": "convert_currency",
-        "arguments": {"amount": 5, "source": "USD", "target": "EUR"},
-    }
-    example = Example("...", call)
-    score = TASKS["tool"].reward
-    assert score(example, json.dumps(call)) == 1.0
-    assert score(example, "Sure: " + json.dumps(call) + " done") == 1.0
-    reordered = '{"arguments": {"target": "EUR", "source": "USD", "amount": 5},'
-    assert score(example, reordered + '\n "name": "convert_currency"}') == 1.0
-    one_wrong = {**call, "arguments": {**call["arguments"], "amount": 6}}
-    assert score(example, json.dumps(one_wrong)) == pytest.approx(0.6 + 0.4 * 2 / 3)
-    as_text = {**call, "arguments": {**call["arguments"], "amount": "5"}}
-    assert score(example, json.dumps(as_text)) < 1.0
-    wrong_key = {**call, "arguments": {"amount": 5, "from": "USD", "to": "EUR"}}
-    assert score(example, json.dumps(wrong_key)) == 0.4
-    wrong_name = {"name": "get_weather", "arguments": {"city": "Oslo"}}
-    assert score(example, json.dumps(wrong_name)) == 0.2
-    assert score(example, json.dumps({"name": "set_timer"})) == 0.0
-    assert score(example, "set_timer(5)") == 0.0
-    assert score(example, "[1, 2]") == 0.0
-    assert not TASKS["tool"].correct(example, json.dumps(one_wrong))
-
-
-def test_tool_prompt_shows_the_call_form_with_typed_placeholders():
-    """No value to copy: each argument is a placeholder named for it, quoted
-    exactly when the answer is a string, so filling it in gives the call."""
-    for example in take(TASKS["tool"], "test", 0, 50):
-        form = example.prompt.splitlines()[-1]
-        filled = form
-        for key, value in example.answer["arguments"].items():
-            filled = filled.replace(f"<{key}>", str(value))
-        assert "<" not in filled
-        assert json.loads(filled) == example.answer
-        assert not any(str(v) in form for v in example.answer["arguments"].values())
-
-
-def test_answered_holds_exactly_when_the_score_can_no_longer_change():
-    tool, recall = TASKS["tool"].answered, TASKS["recall"].answered
-    assert not tool('{"name": "set_timer", "arguments": {"minutes": 5}')
-    assert tool('{"name": "set_timer", "arguments": {"minutes": 5}}')
-    assert not recall("The number is 48") and recall("The number is 4821.")
-    assert TASKS["math"].answered is None
+from tasks import TASKS, take  # noqa: E402
 
 
 def test_paired_bootstrap_is_zero_for_a_model_against_itself_and_signed():
@@ -131,23 +54,6 @@ def test_paired_bootstrap_on_one_task_reads_only_that_task():
     assert 0 <= gain["ci95"][0] < 0.5 < gain["ci95"][1] <= 1.0
     with pytest.raises(KeyError):
         paired_bootstrap(agent, base, 10, 0)
-
-
-def test_compare_bootstraps_cached_rows_against_the_first(tmp_path, capsys):
-    def write(directory: Path, outcomes: list[int]) -> None:
-        directory.mkdir(parents=True)
-        scores = {t: {"per_prompt": outcomes} for t in TASKS}
-        (directory / "scores.json").write_text(json.dumps(scores))
-
-    write(tmp_path / "eval" / "base", [0, 0, 1, 0])
-    write(tmp_path / "r" / "eval" / "tool_agent", [1, 1, 1, 0])
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"bootstrap": {"resamples": 200}}))
-    argv = ["--config", str(config), "--work-dir", str(tmp_path), "--regime", "r"]
-    compare_main([*argv, "base", "tool agent"])
-    assert capsys.readouterr().out.startswith("tool agent − base: +50.0 points [")
-    with pytest.raises(SystemExit, match="'ram' has no test scores"):
-        compare_main([*argv, "base", "ram"])
 
 
 def _checkpoint(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
@@ -182,123 +88,6 @@ def test_support_statistics_count_overlap_uniqueness_and_retention(tmp_path):
     )
     assert unchanged["retention"]["sum"]["same"] is None
     assert unchanged["agents"]["same"]["density"] == 0.0
-
-
-def test_grid_points_cover_the_product_with_weight_on_models():
-    spec = {
-        "method": "ties",
-        "stock": True,
-        "grid": {"weight": [0.5, 1.0], "density": [0.1, 0.3]},
-    }
-    points = dict(grid_points(spec))
-    assert list(points) == [
-        "weight=0.5,density=0.1",
-        "weight=0.5,density=0.3",
-        "weight=1,density=0.1",
-        "weight=1,density=0.3",
-    ]
-    assert points["weight=1,density=0.3"] == {
-        "method": "ties",
-        "stock": True,
-        "weight": 1.0,
-        "parameters": {"density": 0.3},
-    }
-
-
-def test_a_float32_regime_probes_and_merges_in_float32_unless_a_merge_says():
-    assert in_regime_dtype({"method": "ram"}, "float32")["dtype"] == "float32"
-    assert in_regime_dtype({"method": "ram", "dtype": "bfloat16"}, "float32") == {
-        "method": "ram",
-        "dtype": "bfloat16",
-    }
-    assert in_regime_dtype({"method": "ram"}, None) == {"method": "ram"}
-
-
-def test_spearman_with_ties_matches_scipy():
-    a = {"w": 1.0, "x": 2.0, "y": 2.0, "z": 5.0, "v": 0.5}
-    b = {"w": 3.0, "x": 1.0, "y": 4.0, "z": 4.0, "v": 2.0}
-    expected = scipy.stats.spearmanr(list(a.values()), list(b.values())).statistic
-    assert spearman(a, b) == pytest.approx(expected)
-
-
-def test_spearman_is_one_for_the_same_order_and_minus_one_reversed():
-    a = {"x": 3.0, "y": 2.0, "z": 1.0}
-    assert spearman(a, {"x": 30.0, "y": 20.0, "z": 10.0}) == pytest.approx(1.0)
-    assert spearman(a, {"x": 1.0, "y": 2.0, "z": 3.0}) == pytest.approx(-1.0)
-
-
-def test_a_rerun_of_one_regime_keeps_the_others_block_in_config_order(tmp_path):
-    def document(regimes, test=300):
-        return {
-            "test_prompts_per_task": test,
-            "validation_prompts_per_task": 60,
-            "regimes": {r: {"rows": r} for r in regimes},
-        }
-
-    (tmp_path / "results.json").write_text(json.dumps(document(["b", "gone"])))
-    now = document(["a"])
-    assert keep_earlier_regimes(now, tmp_path, ["a", "b"]) == ["b"]
-    assert list(now["regimes"]) == ["a", "b"]  # the config's order; "gone" dropped
-    assert now["regimes"]["b"] == {"rows": "b"}
-    rerun = document(["b"])  # a regime run now replaces its earlier block
-    assert keep_earlier_regimes(rerun, tmp_path, ["a", "b"]) == []
-    other_counts = document(["a"], test=100)  # scored on other prompts: not mixed
-    assert keep_earlier_regimes(other_counts, tmp_path, ["a", "b"]) == []
-    assert list(other_counts["regimes"]) == ["a"]
-    assert keep_earlier_regimes(document(["a"]), tmp_path / "none", ["a", "b"]) == []
-
-
-def test_recall_reward_needs_the_stored_value_first():
-    example = Example("...", 4821)
-    score = TASKS["recall"].reward
-    assert score(example, "4821") == 1.0
-    assert score(example, "The number stored under tiger is 4821.") == 1.0
-    assert score(example, "1234, no, 4821") == 0.0
-
-
-def test_group_advantages_are_centred_and_zero_for_ties():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
-    advantages = group_advantages(rewards, 4)
-    assert torch.allclose(advantages[:4].sum(), torch.tensor(0.0), atol=1e-6)
-    assert advantages[0] > 0 > advantages[1]
-    assert torch.equal(advantages[4:], torch.zeros(4))
-
-
-def test_completion_mask_keeps_tokens_through_the_first_eos():
-    tokens = torch.tensor([[5, 6, 2, 2, 2], [5, 2, 7, 2, 2], [5, 6, 7, 8, 9]])
-    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
-    assert torch.equal(completion_mask(tokens, eos_id=2), expected.float())
-
-
-def test_update_masks_keep_the_share_asked_for_seeded_per_agent():
-    model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.Linear(300, 10))
-    assert update_masks(model, 1.0, seed=1) is None
-    masks = update_masks(model, 0.3, seed=1)
-    assert [m.shape for m in masks] == [p.shape for p in model.parameters()]
-    kept = sum(int(m.sum()) for m in masks) / sum(m.numel() for m in masks)
-    assert abs(kept - 0.3) < 0.01
-    again = update_masks(model, 0.3, seed=1)
-    other = update_masks(model, 0.3, seed=2)
-    assert all(torch.equal(a, b) for a, b in zip(masks, again))
-    overlap = sum(int((a & b).sum()) for a, b in zip(masks, other))
-    # Independent seeds: the two supports overlap about as chance predicts.
-    assert abs(overlap / sum(m.numel() for m in masks) - 0.09) < 0.01
-
-
-def test_masked_adam_steps_move_only_masked_elements():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(64, 32)
-    before = [p.detach().clone() for p in model.parameters()]
-    masks = update_masks(model, 0.25, seed=3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    for _ in range(3):
-        optimizer.zero_grad()
-        model(torch.randn(8, 64)).square().mean().backward()
-        mask_gradients(model.parameters(), masks)
-        optimizer.step()
-    for old, new, keep in zip(before, model.parameters(), masks):
-        assert torch.equal(new[~keep], old[~keep])
-        assert bool((new[keep] != old[keep]).all())
 
 
 def _smoke_settings(tmp: Path) -> Path:
@@ -433,23 +222,6 @@ def test_smoke_agents_are_checkpoints_of_their_recipe_with_their_rl_log(smoke):
             (Path(settings["work_dir"]) / regime / "probe" / "probe.yml").read_text()
         )
         assert probed["dtype"] == (overrides or {}).get("merge_dtype", "bfloat16")
-
-
-@pytest.mark.slow
-def test_smoke_rerun_reuses_every_stage_in_either_order(smoke):
-    config, settings, _log = smoke
-    results = Path(settings["results_dir"]) / "results.json"
-    first = json.loads(results.read_text())
-    log = _run(config, "--reverse")
-    assert json.loads(results.read_text()) == first
-    points = sum(
-        len(list(itertools.product(*spec["grid"].values())))
-        for spec in settings["tuned"].values()
-    )
-    per_regime = 2 * len(TASKS) + 1 + 2 * points + 2 * len(settings["merges"])
-    per_regime += len(settings["tuned"]) + 1
-    assert log.count("cached:") == 2 + len(settings["regimes"]) * per_regime
-    assert "built" not in log
 
 
 @pytest.mark.slow
