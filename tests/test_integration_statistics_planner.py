@@ -525,39 +525,3 @@ def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
     rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
     expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
     assert_same_state(merged_state(out), expected)
-
-
-@pytest.mark.parametrize(
-    "method, parameters, reads_again",
-    [
-        ("ramplus", dict(CASES["clip"]), False),
-        ("ramplus", {**CASES["clip"], "nonfinite": "ignore"}, True),
-        ("ramplus", {**CASES["clip"], "statistics": "tensor"}, False),
-        ("ram", {}, False),
-    ],
-)
-def test_finite_inputs_cost_no_read_of_their_own_when_refusing(
-    method, parameters, reads_again, family_f32, tmp_path, monkeypatch
-):
-    """Refusing, the pass counts with its own sums of τ (`checked`) and the
-    mean kernel's walk checks with its own (`on_nonfinite`): finite inputs
-    are read element by element only under `nonfinite: ignore`, which
-    replaces values."""
-    import mergekit_ram.integration.methods as methods
-
-    calls = {"element by element": 0, "walk": 0}
-    real_check, real_kernel = methods.finite_inputs, methods.ram_merge_tensor
-
-    def check(*args, **kwargs):
-        calls["element by element"] += 1
-        return real_check(*args, **kwargs)
-
-    def kernel(*args, **kwargs):
-        calls["walk"] += "on_nonfinite" in kwargs
-        return real_kernel(*args, **kwargs)
-
-    monkeypatch.setattr(methods, "finite_inputs", check)
-    monkeypatch.setattr(methods, "ram_merge_tensor", kernel)
-    run(family_f32.yaml(method, parameters=parameters), tmp_path / "out")
-    assert (calls["element by element"] > 0) == reads_again
-    assert (calls["walk"] > 0) == (not reads_again)

@@ -1,19 +1,18 @@
 """`ram` and `ramplus` as mergekit merge methods: start reading here.
 
-A method is mergekit's small frozen object with a declarative spec: its
-parameters (`_spec`: names, types, scopes, defaults, `PARAMETER_HELP`) and
+A method is mergekit's frozen object with a declarative spec (`_spec`) and
 `merge_group`, which takes one tensor group and calls the kernel
 (`core.kernel.ram_merge_tensor`, or the authors' `shared: ties` / `base`
 modes). mergekit plans each tensor as an `ExecuteMergeMethodTask`; the
 planner hook (`statistics`) makes it a `RAMMergeTask` of the merge in
 progress, which applies RAM's input rules first and hands whole-model λ in
-as `unique_scale`. Overridden mergekit internals: `_execute` (to pass the
-output dtype to the kernel; see install.PATCHES).
+as `unique_scale`. `RAMMerge._execute` overrides mergekit's to hand the
+output dtype to the kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -26,6 +25,7 @@ from mergekit.merge_methods.base import (
     ParameterScope,
     ParameterSpec,
     PerInputValues,
+    PerNonBase,
     TensorGroup,
 )
 from mergekit.merge_methods.dtype import align_dtype
@@ -39,10 +39,9 @@ from mergekit_ram.core.checks import (
     from_base,
 )
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts
-from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
+from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
 from mergekit_ram.integration.context import (
@@ -72,35 +71,6 @@ NonNegative = Annotated[
 ]
 # A fraction in [0, 1] (density).
 Fraction = Annotated[NonNegative, Field(le=1)]
-
-PARAMETER_HELP = {
-    "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
-    "r": "RAM+ strength; 0 is plain RAM",
-    "alpha": "cap on the shared/unique ratio (clip rule)",
-    "saturation": "clip (paper Eq. 6) or soft (λ = 1 + r·S/C)",
-    "statistics": "global (whole model, the paper) or tensor (per tensor)",
-    "unique_scale": "explicit λ for this task model; skips its statistics",
-    "nonfinite": "refuse NaN/Inf inputs, or ignore them (keep the base there)",
-    "shared": "shared elements: mean (RAM), ties (the authors' arm-ties) or "
-    "base (unique elements only, their arm-unique)",
-    "density": "with shared: ties, the fraction of each task's shared "
-    "elements TIES keeps (largest |τ|)",
-}
-
-
-def _survival_counter(
-    tally: SurvivalTally | None, ids: Sequence[Hashable], written: torch.dtype
-) -> RescaleFn | None:
-    """The kernel's on_rescaled hook adding to `tally` (None: nothing to count)."""
-    if tally is None:
-        return None
-    name = str(written).removeprefix("torch.")
-
-    def count(index: int, rescaled: int, survived: int) -> None:
-        if rescaled:
-            tally.add(ids[index], rescaled, survived, name)
-
-    return count
 
 
 @dataclass(frozen=True)
@@ -147,34 +117,44 @@ class RAMMerge(GroupMergeMethod):
         nonfinite: str,
         shared: str,
         density: float,
-        unique_scale: PerInputValues[float | None],
+        unique_scale: PerNonBase[float | None],
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        if group.base is None:
-            raise ValueError(f"{self.spec.name} needs a base model")
         base = group.base.tensor
         if from_base(base.dtype):
             return base.clone()
         written = out_dtype or base.dtype
-        tasks = group.non_base
-        rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
-        scales = []
-        for entry in tasks:
-            # None: λ from this tensor's own counts (statistics: tensor; a
-            # global merge always has λ here, from _execute or the planner).
-            explicit = unique_scale.get(entry.id)
-            scales.append(1.0 if explicit is None and r == 0 else explicit)
+        ids = [entry.id for entry in group.non_base]
+        # None: λ from this tensor's own counts (statistics: tensor; a global
+        # merge always has λ here, from _execute or the planner).
+        explicit = [unique_scale.get(i) for i in ids]
+        scales = [1.0 if value is None and r == 0 else value for value in explicit]
         name = group.metadata.name or "tensor"
-        inputs = {entry.id: entry.tensor for entry in tasks}
+        inputs = {entry.id: entry.tensor for entry in group.non_base}
+        run = current_run()
+        rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+
+        def local_scale(index: int, histogram: torch.Tensor) -> float:
+            """λ from this tensor's k-way histogram, noted for the card."""
+            counts = TaskCounts(histogram.tolist())
+            value = rule.scale(counts.shared, counts.unique)
+            if run is not None:
+                run.local.add(name, ids[index], base.numel(), counts.histogram, value)
+            return value
+
+        def count_survival(index: int, rescaled: int, survived: int) -> None:
+            if rescaled:
+                dtype = str(written).removeprefix("torch.")
+                run.tally.add(ids[index], rescaled, survived, dtype)
+
+        def check() -> dict:
+            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
+
         kernel, extra = {
             "mean": (ram_merge_tensor, {}),
             "ties": (ties_merge_tensor, {"density": density}),
             "base": (unique_merge_tensor, {}),
         }[shared]
-
-        def check() -> dict:
-            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
-
         if nonfinite != "refuse":
             inputs = check()  # a non-finite value becomes the base's
         elif shared == "mean":
@@ -183,15 +163,14 @@ class RAMMerge(GroupMergeMethod):
             extra = {"on_nonfinite": check}
         else:
             check()
-        ids = [entry.id for entry in tasks]
         merged = kernel(
             base,
             [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
-            scale_fn=_local_scales(rule, name, ids, base),
+            scale_fn=local_scale,
             out_dtype=written,
-            on_rescaled=_survival_counter(_tally(), ids, written),
+            on_rescaled=None if run is None or run.tally is None else count_survival,
             **extra,
         )
         finite_output(name, base, merged, nonfinite)
@@ -220,7 +199,7 @@ def _whole_call_scales(
             for model, value in params["unique_scale"].items():
                 explicit.setdefault(model, value)
             group = align_dtype(group, dtype)
-            if group.base is None or from_base(group.base.tensor.dtype):
+            if from_base(group.base.tensor.dtype):
                 continue
             base = group.base.tensor
             inputs = {entry.id: entry.tensor for entry in group.non_base}
@@ -243,56 +222,32 @@ def _whole_call_scales(
     ]
 
 
-def _tally() -> SurvivalTally | None:
-    """The survival tally of the merge in progress (None: nothing to count)."""
-    run = current_run()
-    return None if run is None else run.tally
-
-
-def _local_scales(
-    rule: ScaleRule, name: str, ids: Sequence[Hashable], base: torch.Tensor
-) -> Callable[[int, torch.Tensor], float]:
-    """λ from one tensor's k-way histogram (statistics: tensor), noted in the
-    merge in progress for its card."""
-    run = current_run()
-
-    def scale(index: int, histogram: torch.Tensor) -> float:
-        counts = TaskCounts(histogram.tolist())
-        value = rule.scale(counts.shared, counts.unique)
-        if run is not None:
-            run.local.add(name, ids[index], base.numel(), counts.histogram, value)
-        return value
-
-    return scale
-
-
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
     def shared(param: str, value_type: Any, default: Any) -> ParameterSpec:
-        return ParameterSpec(
-            param,
-            value_type,
-            ParameterScope.SHARED,
-            default,
-            description=PARAMETER_HELP[param],
-        )
+        return ParameterSpec(param, value_type, ParameterScope.SHARED, default)
 
     return MergeMethodSpec(
         name=name,
         parameters=(
+            # an element counts as changed when |θ_t − θ₀| > epsilon
             shared("epsilon", NonNegative, 1e-5),
-            shared("r", NonNegative, r),
-            shared("alpha", NonNegative, 2.0),
+            shared("r", NonNegative, r),  # RAM+ strength; 0 is plain RAM
+            shared("alpha", NonNegative, 2.0),  # cap on ρ = S/U (clip rule)
+            # clip (paper Eq. 6) or soft (λ = 1 + r·S/C)
             shared("saturation", Literal["clip", "soft"], "clip"),
+            # global (whole model, the paper) or tensor (per tensor)
             shared("statistics", Literal["global", "tensor"], "global"),
+            # refuse NaN/Inf inputs, or ignore them (keep the base there)
             shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
+            # shared elements: mean (RAM), ties (the authors' arm-ties) or
+            # base (unique elements only, their arm-unique)
             shared("shared", Literal["mean", "ties", "base"], "mean"),
+            # with shared: ties, the fraction of each task's shared elements
+            # TIES keeps (largest |τ|)
             shared("density", Fraction, 0.1),
+            # an explicit λ per task model: skips its statistics
             ParameterSpec(
-                "unique_scale",
-                NonNegative | None,
-                ParameterScope.NON_BASE,
-                None,
-                description=PARAMETER_HELP["unique_scale"],
+                "unique_scale", NonNegative | None, ParameterScope.NON_BASE, None
             ),
         ),
         contract=InputContract(base=BasePolicy.REQUIRED),
