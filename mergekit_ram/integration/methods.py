@@ -298,8 +298,6 @@ def as_ram_task(
     task: ExecuteMergeMethodTask, out_dtype: str | None, run: MergeRun | None
 ) -> RAMMergeTask:
     """The same planned merge as a RAMMergeTask of `run`, writing `out_dtype`."""
-    fields = type(task).model_fields
-    values = {name: getattr(task, name) for name in fields}
-    ram_task = RAMMergeTask(**{**values, "out_dtype": out_dtype})
+    ram_task = RAMMergeTask(**{**dict(task), "out_dtype": out_dtype})
     ram_task._run = run
     return ram_task

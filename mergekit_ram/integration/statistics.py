@@ -183,15 +183,14 @@ class BackwardExecutor(Executor):
 
 def collect_planned(
     planned: Sequence[Any],
+    options: Any,
     *,
     epsilon: float,
-    device: str | None,
-    storage_device: str | None,
-    quiet: bool,
     desc: str = "RAM+ statistics",
     inner_products: bool = False,
 ) -> OverlapStatistics:
-    """Stream over the gathered inputs of planned merge tasks and count them.
+    """Stream over the gathered inputs of planned merge tasks and count them,
+    on the devices the merge under `options` uses.
 
     `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
     (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
@@ -206,16 +205,16 @@ def collect_planned(
     for task in planned:
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
-    math_device = torch.device(device or "cpu")
+    math_device = torch.device(options.device or "cpu")
     executor = BackwardExecutor(
         targets=list(by_input),
         math_device=math_device,
-        storage_device=torch.device(storage_device or "cpu"),
+        storage_device=math_device if options.low_cpu_memory else "cpu",
     )
     read_ahead = ReadAhead(spans_per_group(executor.schedule, set(executor.targets)))
     try:
         read_ahead.hint(0)
-        groups = executor.run(quiet=quiet, desc=desc)
+        groups = executor.run(quiet=options.quiet, desc=desc)
         for index, (gather, tensors) in enumerate(groups):
             read_ahead.hint(index + 1)
             for task in by_input[gather]:
@@ -248,10 +247,8 @@ def count_planned(
     """Run the statistics engine over planned tasks; λ per model, explicit first."""
     stats = collect_planned(
         merges,
+        options,
         epsilon=settings.epsilon,
-        device=options.device,
-        storage_device=options.device if options.low_cpu_memory else "cpu",
-        quiet=options.quiet,
         desc=desc,
         inner_products=inner_products,
     )
@@ -361,17 +358,13 @@ class WriteStatistics(Task[None]):
 
 def with_scales(task: Any, scales: dict[Any, float]) -> Any:
     """A copy of a planned merge task whose task models carry their λ."""
-    params = immutables.Map(
-        {
-            model: (
-                immutables.Map({**values, "unique_scale": scales.get(model, 1.0)})
-                if "unique_scale" in values
-                else values
-            )
-            for model, values in task.input_parameters.items()
-        }
-    )
-    return task.model_copy(update={"input_parameters": params})
+    params = {
+        model: immutables.Map({**values, "unique_scale": scales.get(model, 1.0)})
+        if "unique_scale" in values
+        else values
+        for model, values in task.input_parameters.items()
+    }
+    return task.model_copy(update={"input_parameters": immutables.Map(params)})
 
 
 def rescales(merges: list[Any]) -> bool:
