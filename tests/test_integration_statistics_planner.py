@@ -501,19 +501,6 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypa
     ).read_bytes()
 
 
-@pytest.mark.parametrize("key", ["r", "epsilon"])
-def test_per_tensor_filter_with_global_statistics_refused(key, family_f32, tmp_path):
-    family = family_f32
-    default = spec_default(key)
-    value = [{"filter": "mlp", "value": default * 2}, {"value": default}]
-    text = family.yaml("ramplus", parameters={key: value})
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=f"'{key}'"):
-        run(text, out)
-    assert not (out / "model.safetensors").exists()
-    assert not (out / STATISTICS_FILE).exists()
-
-
 def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
     family = family_f32
     value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]

@@ -6,7 +6,7 @@ mergekit has planned a `ram` / `ramplus` merge, every planned merge task
 becomes a `methods.RAMMergeTask` of the merge in progress, and for global
 RAM+ the statistics pass (`collect_planned`) streams over the planner's own
 gather tasks, one group in memory at a time, walked in the reverse of the
-merge's order with the next group's bytes read ahead (`ReadAhead`); λ goes
+merge's order with the next group's bytes read ahead (`read_ahead`); λ goes
 to every planned task as its models' `unique_scale`. `plan_to_disk` gets a
 last task that writes ram_statistics.json (`statistics_document`) once the
 model is finalized, in the staging folder `publishing` publishes. The model
@@ -211,17 +211,17 @@ def collect_planned(
         math_device=math_device,
         storage_device=math_device if options.low_cpu_memory else "cpu",
     )
-    read_ahead = ReadAhead(spans_per_group(executor.schedule, set(executor.targets)))
-    try:
-        read_ahead.hint(0)
+    # The next group's bytes are read ahead, from a helper thread, while one
+    # is counted.
+    ahead = spans_per_group(executor.schedule, set(executor.targets)) + [[]]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead") as worker:
+        worker.submit(read_ahead, ahead[0])
         groups = executor.run(quiet=options.quiet, desc=desc)
-        for index, (gather, tensors) in enumerate(groups):
-            read_ahead.hint(index + 1)
+        for (gather, tensors), upcoming in zip(groups, ahead[1:]):
+            worker.submit(read_ahead, upcoming)
             for task in by_input[gather]:
                 _count_task(stats, task, tensors, math_device)
             del tensors
-    finally:
-        read_ahead.close()
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(
@@ -294,36 +294,18 @@ def spans_per_group(
     return groups[:-1]
 
 
-class ReadAhead:
-    """Asks the kernel to read a group's input bytes (posix_fadvise WILLNEED,
-    from a helper thread) while the group before it is counted."""
-
-    def __init__(self, groups: Sequence[Sequence[Span]]) -> None:
-        self._groups = groups
-        self._files: dict[str, int] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead")
-
-    def hint(self, index: int) -> None:
-        """Start reading group `index`'s bytes in the background (best effort)."""
-        if hasattr(os, "posix_fadvise") and index < len(self._groups):
-            self._worker.submit(self._advise, self._groups[index])
-
-    def _advise(self, spans: Sequence[Span]) -> None:
-        for path, start, length in spans:
+def read_ahead(spans: Sequence[Span]) -> None:
+    """Ask the kernel to read these bytes into the page cache ahead of their
+    use (posix_fadvise WILLNEED; best effort, nothing on Windows)."""
+    for path, start, length in spans:
+        try:
+            descriptor = os.open(path, os.O_RDONLY)
             try:
-                if path not in self._files:
-                    self._files[path] = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(
-                    self._files[path], start, length, os.POSIX_FADV_WILLNEED
-                )
-            except OSError:
-                continue
-
-    def close(self) -> None:
-        """Wait for pending hints, then close the files they opened."""
-        self._worker.shutdown(wait=True)
-        for descriptor in self._files.values():
-            os.close(descriptor)
+                os.posix_fadvise(descriptor, start, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
+        except (OSError, AttributeError):
+            continue
 
 
 # --- inside mergekit's planner --------------------------------------------------
