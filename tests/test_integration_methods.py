@@ -168,7 +168,7 @@ def test_ram_state_dicts_equal_stock():
 
 
 def test_mergekits_merge_state_dicts_is_whole_model_ramplus():
-    """Issue 35: mergekit's own in-memory merge of a state dict with global
+    """mergekit's own in-memory merge of a state dict with global
     RAM+ counts the whole call, as the dense reference counts the model."""
     base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
     bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)

@@ -2,15 +2,14 @@
 
 The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
-planner hook stores its (settings, statistics, scales) there, the model-card
-hook and `mergekit-ram merge --report` read them back, and the card's hub
-lookup notes there what it could not link. The survival tally of
-λ (`core.survival`) lives there too: the planner makes it, each merge task
-adds to it, the last task writes it out. Merge tasks may run on worker
-threads (mergekit's --multi-gpu executor), which do not inherit the context;
-they carry their run and bind it with `running`. The run's worker threads
-(`core.parallel`) serve every chunked walk of the merge, the pass's
-included, and end with it.
+planner hook stores what the statistics pass counted there (`Counted`), and
+the model-card hook and `mergekit-ram merge --report` read it back. The
+survival tally of λ (`core.survival`) lives there too: the planner makes it,
+each merge task adds to it, the last task writes it out. Merge tasks may run
+on worker threads (mergekit's --multi-gpu executor), which do not inherit
+the context; they carry their run and bind it with `running`. The run's
+worker threads (`core.parallel`) serve every chunked walk of the merge, the
+pass's included, and end with it.
 """
 
 from __future__ import annotations
