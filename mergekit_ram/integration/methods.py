@@ -1,7 +1,10 @@
 """`ram` and `ramplus` as mergekit merge methods: start reading here.
 
-A method is mergekit's frozen object with a declarative spec (`_spec`) and
-`merge_group`, which takes one tensor group and calls the kernel
+A method is mergekit's frozen object with a declarative spec and
+`merge_group`, whose signature declares each parameter's scope, type and
+default (the spec is derived from it, as mergekit derives its own methods'
+with `easy_define._parameter_spec`, a name it does not publish). It takes
+one tensor group and calls the kernel
 (`core.kernel.ram_merge_tensor`, or the authors' `shared: ties` / `base`
 modes). mergekit plans each tensor as an `ExecuteMergeMethodTask`; the
 planner hook (`statistics`) makes it a `RAMMergeTask` of the merge in
@@ -12,9 +15,11 @@ output dtype to the kernel.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import torch
 from mergekit.merge_methods.base import (
@@ -22,13 +27,12 @@ from mergekit.merge_methods.base import (
     GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
-    ParameterScope,
-    ParameterSpec,
     PerInputValues,
     PerNonBase,
     TensorGroup,
 )
 from mergekit.merge_methods.dtype import align_dtype
+from mergekit.merge_methods.easy_define import _parameter_spec
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from pydantic import BeforeValidator, Field, PrivateAttr
 
@@ -109,16 +113,25 @@ class RAMMerge(GroupMergeMethod):
         group: TensorGroup,
         /,
         *,
-        epsilon: float,
-        r: float,
-        alpha: float,
-        saturation: str,
-        statistics: str,
-        nonfinite: str,
-        shared: str,
-        density: float,
-        unique_scale: PerNonBase[float | None],
-        out_dtype: torch.dtype | None = None,
+        # an element counts as changed when |θ_t − θ₀| > epsilon
+        epsilon: NonNegative = 1e-5,
+        r: NonNegative = 0.0,  # RAM+ strength; 0 is plain RAM
+        alpha: NonNegative = 2.0,  # cap on ρ = S/U (clip rule)
+        # clip (paper Eq. 6) or soft (λ = 1 + r·S/C)
+        saturation: Literal["clip", "soft"] = "clip",
+        # global (whole model, the paper) or tensor (per tensor)
+        statistics: Literal["global", "tensor"] = "global",
+        # refuse NaN/Inf inputs, or ignore them (keep the base there)
+        nonfinite: Literal["refuse", "ignore"] = "refuse",
+        # shared elements: mean (RAM), ties (the authors' arm-ties) or base
+        # (unique elements only, their arm-unique)
+        shared: Literal["mean", "ties", "base"] = "mean",
+        # with shared: ties, the fraction of each task's shared elements TIES
+        # keeps (largest |τ|)
+        density: Fraction = 0.1,
+        # an explicit λ per task model: skips its statistics
+        unique_scale: PerNonBase[NonNegative | None] = None,
+        out_dtype: torch.dtype | None = None,  # what is written; not a parameter
     ) -> torch.Tensor:
         base = group.base.tensor
         if from_base(base.dtype):
@@ -223,32 +236,21 @@ def _whole_call_scales(
 
 
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
-    def shared(param: str, value_type: Any, default: Any) -> ParameterSpec:
-        return ParameterSpec(param, value_type, ParameterScope.SHARED, default)
-
+    """The method's parameters as merge_group declares them (mergekit's
+    signature-derived spec: scope, type, default), with RAM+'s default r."""
+    hints = get_type_hints(RAMMerge.merge_group, include_extras=True)
+    arguments = inspect.signature(RAMMerge.merge_group).parameters.values()
+    parameters = [
+        _parameter_spec(argument, hints[argument.name], batched=False)
+        for argument in arguments
+        if argument.kind is inspect.Parameter.KEYWORD_ONLY
+        and argument.name != "out_dtype"
+    ]
     return MergeMethodSpec(
         name=name,
-        parameters=(
-            # an element counts as changed when |θ_t − θ₀| > epsilon
-            shared("epsilon", NonNegative, 1e-5),
-            shared("r", NonNegative, r),  # RAM+ strength; 0 is plain RAM
-            shared("alpha", NonNegative, 2.0),  # cap on ρ = S/U (clip rule)
-            # clip (paper Eq. 6) or soft (λ = 1 + r·S/C)
-            shared("saturation", Literal["clip", "soft"], "clip"),
-            # global (whole model, the paper) or tensor (per tensor)
-            shared("statistics", Literal["global", "tensor"], "global"),
-            # refuse NaN/Inf inputs, or ignore them (keep the base there)
-            shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
-            # shared elements: mean (RAM), ties (the authors' arm-ties) or
-            # base (unique elements only, their arm-unique)
-            shared("shared", Literal["mean", "ties", "base"], "mean"),
-            # with shared: ties, the fraction of each task's shared elements
-            # TIES keeps (largest |τ|)
-            shared("density", Fraction, 0.1),
-            # an explicit λ per task model: skips its statistics
-            ParameterSpec(
-                "unique_scale", NonNegative | None, ParameterScope.NON_BASE, None
-            ),
+        parameters=tuple(
+            dataclasses.replace(p, default=r) if p.name == "r" else p
+            for p in parameters
         ),
         contract=InputContract(base=BasePolicy.REQUIRED),
         pretty_name=pretty_name,
