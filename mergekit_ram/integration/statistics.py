@@ -428,11 +428,10 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
     `ramplus` with no global parameters: the same tensors, inputs and gather
     tasks, without that method's required parameters (weight, density, ...)
     or its own ones (DELLA's epsilon, ...) read as ours."""
-    from mergekit import merge, plan
+    from mergekit import merge
 
-    from mergekit_ram.integration.install import patch_planner
-
-    patch_planner(plan)  # the hook that stops the merge after planning
+    if not hasattr(MergePlanner._plan, "__mergekit_ram__"):  # stops run_merge
+        raise RuntimeError("mergekit-ram is not installed: call mergekit_ram.install()")
     config = config.model_copy(deep=True)
     if not is_ours(config.merge_method):
         config.merge_method = "ramplus"
