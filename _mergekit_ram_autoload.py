@@ -13,8 +13,8 @@ import sys
 
 WATCHED = ("mergekit.merge_methods", "mergekit.plan", "mergekit.merge")
 _loading = set()
-_warned = []
-_installer = []  # "module:function", set by activate()
+_installer = None  # "module:function", set by activate()
+_warned = False
 
 
 def loading(name):
@@ -46,14 +46,15 @@ def _ours_importing():
 
 
 def _loaded(name):
+    global _warned
     if not enabled() or not _installer or _ours_importing():
         return
     try:
-        module, _, function = _installer[0].partition(":")
+        module, _, function = _installer.partition(":")
         getattr(importlib.import_module(module), function)(eager=False)
     except Exception as error:  # a start-up hook must never break mergekit
         if not _warned:
-            _warned.append(error)
+            _warned = True
             sys.stderr.write(
                 f"mergekit-ram: autoload failed after importing {name}: {error}\n"
                 "mergekit-ram: `merge_method: ram/ramplus` may be stock or missing; "
@@ -103,8 +104,9 @@ class _Finder:
 
 def activate(installer):
     """Call `installer` ("module:function") when mergekit is imported."""
+    global _installer
     try:
-        _installer[:] = [installer]
+        _installer = installer
         if enabled() and not any(isinstance(f, _Finder) for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
     except Exception:

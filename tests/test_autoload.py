@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import yaml
@@ -84,40 +85,24 @@ print(json.dumps({
 """
 
 
-class Launched:
-    """Subprocesses started together; `result(name)` waits for one."""
-
-    def __init__(self):
-        self._procs: dict[str, subprocess.Popen] = {}
-        self._done: dict[str, tuple[int, str, str]] = {}
+class Launched(dict):
+    """Subprocesses started together, by name; `result(name)` waits for one."""
 
     def start(self, name: str, args: list[str], cwd: Path, env: dict) -> None:
-        self._procs[name] = subprocess.Popen(
-            args,
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        self[name] = subprocess.Popen(
+            args, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True
         )
 
     def result(self, name: str) -> tuple[int, str, str]:
-        if name not in self._done:
-            proc = self._procs[name]
-            out, err = proc.communicate(timeout=TIMEOUT)
-            self._done[name] = (proc.returncode, out, err)
-        return self._done[name]
+        proc = self[name]
+        if not hasattr(proc, "output"):
+            proc.output = proc.communicate(timeout=TIMEOUT)
+        return (proc.returncode, *proc.output)
 
     def json(self, name: str) -> dict:
         code, out, err = self.result(name)
         assert code == 0, err
         return json.loads(out.strip().splitlines()[-1])
-
-    def close(self):
-        for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +137,9 @@ def launched(cli_family, tmp_path_factory):
     runs.root = root
     runs.config = config
     yield runs
-    runs.close()
+    for proc in runs.values():
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow
@@ -223,14 +210,6 @@ def test_import_orders_end_registered_and_patched(launched, order):
     if order in ("plan", "merge"):
         # mergekit.plan was imported by the order itself: patched at once.
         assert state["first"]["planner"] is True
-
-
-@pytest.mark.slow
-def test_merge_methods_alone_registers_both(launched):
-    """`import mergekit.merge_methods` and nothing else registers the methods."""
-    state = launched.json("merge_methods")["first"]
-    assert state["ram"] == OURS
-    assert state["ramplus"] == OURS
 
 
 def test_hook_is_lazy():

@@ -141,38 +141,32 @@ def test_no_licence_where_the_base_card_states_none(card, family_f32, tmp_path):
     assert base_license(MergeConfiguration.model_validate(config)) is None
 
 
-def test_licence_of_a_hub_base_comes_from_the_local_cache(monkeypatch, tmp_path):
+@pytest.mark.parametrize("cached", ["llama3.2", "refused"])
+def test_licence_of_a_hub_base_from_the_local_cache(cached, monkeypatch, tmp_path):
+    """A hub id's licence is read from the local cache (no download); an id
+    the cache refuses has none."""
+    from huggingface_hub.errors import HFValidationError
+
     readme = tmp_path / "README.md"
-    readme.write_text("---\nlicense: llama3.2\n---\n", encoding="utf-8")
+    readme.write_text(f"---\nlicense: {cached}\n---\n", encoding="utf-8")
     asked = []
 
-    def cached(repo, filename, revision=None):
+    def lookup(repo, filename, revision=None):
         asked.append((repo, filename, revision))
+        if cached == "refused":
+            raise HFValidationError(f"bad repo id {repo}")
         return str(readme)
 
-    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", cached)
+    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", lookup)
     config = MergeConfiguration.model_validate(
         {
             "merge_method": "ram",
             "base_model": "org/base@v1",
-            "models": [{"model": "org/agent"}],
+            "models": [{"model": "a/b"}],
         }
     )
-    assert base_license(config) == "llama3.2"
+    assert base_license(config) == (None if cached == "refused" else cached)
     assert asked == [("org/base", "README.md", "v1")]
-
-
-def test_no_licence_for_a_hub_id_the_cache_refuses(monkeypatch):
-    from huggingface_hub.errors import HFValidationError
-
-    def refuse(repo, filename, revision=None):
-        raise HFValidationError(f"bad repo id {repo}")
-
-    monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", refuse)
-    config = MergeConfiguration.model_validate(
-        {"merge_method": "ram", "base_model": "org/base", "models": [{"model": "a/b"}]}
-    )
-    assert base_license(config) is None
 
 
 MERGEKIT_CARD = (

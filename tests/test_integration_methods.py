@@ -15,18 +15,16 @@ from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
-from mergekit_ram.commands import install as commands_install
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.install import (
     SUPPORTED,
     IncompatibleMergekit,
-    install,
     patch_card,
     patch_planner,
+    patch_run_merge,
     register_methods,
 )
 from mergekit_ram.integration.methods import (
-    RAMMerge,
     ram,
     ramplus,
 )
@@ -57,12 +55,9 @@ def ref_merge(base, tasks, **kwargs):
 
 
 def test_import_registers_ours():
-    assert mergekit_ram.install is commands_install.install
     assert merge_methods.get("ram") is ram
     assert merge_methods.get("ramplus") is ramplus
-    assert isinstance(ram, RAMMerge) and isinstance(ramplus, RAMMerge)
-    assert ram in merge_methods.registered_methods()
-    assert ramplus in merge_methods.registered_methods()
+    assert {ram, ramplus} <= set(merge_methods.registered_methods())
     # Stock's tensor-local variant is left alone.
     assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
 
@@ -71,21 +66,15 @@ def test_install_twice_is_idempotent():
     from mergekit import merge as merge_module
     from mergekit import plan
 
-    install()
+    mergekit_ram.install()
     table = dict(registry._METHODS)
     planner = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
     card = merge_module.generate_card
-    install()
-    register_methods()
-    install(eager=False)
-    assert registry._METHODS.keys() == table.keys()
-    assert all(registry._METHODS[name] is method for name, method in table.items())
+    mergekit_ram.install()
+    mergekit_ram.install(eager=False)
+    assert registry._METHODS == table
     assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == planner
     assert merge_module.generate_card is card
-    # Wrapped exactly once: what the wrapper wraps is mergekit's own function.
-    for wrapped in (*planner, card):
-        assert hasattr(wrapped, "__mergekit_ram__")
-        assert not hasattr(wrapped.__mergekit_ram__, "__mergekit_ram__")
 
 
 def test_stock_ram_is_replaced(monkeypatch):
@@ -94,49 +83,32 @@ def test_stock_ram_is_replaced(monkeypatch):
     assert merge_methods.get("ram") is ram
 
 
-def test_foreign_ramplus_is_refused(monkeypatch):
+@pytest.mark.parametrize("name", ["ram", "ramplus"])
+def test_a_foreign_method_of_our_name_is_refused(name, monkeypatch):
     foreign = merge_methods.get("linear")
-    monkeypatch.setitem(registry._METHODS, "ramplus", foreign)
+    monkeypatch.setitem(registry._METHODS, name, foreign)
     with pytest.raises(IncompatibleMergekit) as error:
-        register_methods()
+        mergekit_ram.install()
     message = str(error.value)
-    assert "'ramplus'" in message and "already registered" in message
-    assert type(foreign).__module__ in message
-    assert SUPPORTED in message
-    assert registry._METHODS["ramplus"] is foreign  # not overwritten
+    assert f"{name!r} is already registered" in message
+    assert type(foreign).__module__ in message and SUPPORTED in message
+    assert registry._METHODS[name] is foreign  # not overwritten
 
 
-def test_foreign_ram_is_refused(monkeypatch):
-    foreign = merge_methods.get("linear")
-    monkeypatch.setitem(registry._METHODS, "ram", foreign)
-    with pytest.raises(IncompatibleMergekit, match="'ram' is already registered"):
-        install()
-    assert registry._METHODS["ram"] is foreign
-
-
-def test_registration_restored_after_monkeypatch():
-    # Runs after the refusal tests: the registry holds ours again.
-    assert merge_methods.get("ram") is ram
-    assert merge_methods.get("ramplus") is ramplus
-
-
-def test_missing_registry_table(monkeypatch):
-    monkeypatch.delattr(registry, "_METHODS")
+@pytest.mark.parametrize("table", [None, []])
+def test_a_registry_without_its_table_is_refused(table, monkeypatch):
+    monkeypatch.setattr(registry, "_METHODS", table)
     with pytest.raises(IncompatibleMergekit, match="_METHODS"):
         register_methods()
 
 
-def test_registry_table_of_wrong_type(monkeypatch):
-    monkeypatch.setattr(registry, "_METHODS", list(registry._METHODS.values()))
-    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
-        install()
-
-
-def test_missing_planner_or_card_generator():
+def test_a_mergekit_without_what_is_patched_is_refused():
     with pytest.raises(IncompatibleMergekit, match="MergePlanner._plan"):
         patch_planner(types.ModuleType("fake_plan"))
     with pytest.raises(IncompatibleMergekit, match="generate_card"):
-        patch_card(types.ModuleType("fake_merge"))
+        patch_card(types.ModuleType("fake_merge"), str)
+    with pytest.raises(IncompatibleMergekit, match="run_merge"):
+        patch_run_merge(types.ModuleType("fake_merge"))
 
 
 # --- parity with stock ram ----------------------------------------------------
@@ -193,6 +165,21 @@ def test_ram_state_dicts_equal_stock():
     ours = merge_methods.merge_state_dicts(models, "ram", base=0)
     assert stock.keys() == ours.keys() == {"w", "b"}
     assert all(torch.equal(ours[k], stock[k]) for k in stock)
+
+
+def test_mergekits_merge_state_dicts_is_whole_model_ramplus():
+    """mergekit's own in-memory merge of a state dict with global
+    RAM+ counts the whole call, as the dense reference counts the model."""
+    base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
+    bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
+    models = [{"w": base, "b": bias}] + [
+        {"w": t, "b": b} for t, b in zip(tasks, bias_tasks)
+    ]
+    expected, _ = reference.merge(models[0], models[1:], r=0.1)
+    for merge in (merge_methods.merge_state_dicts, mergekit_ram.merge_state_dicts):
+        merged = merge(models, "ramplus", base=0)
+        assert merged.keys() == expected.keys()
+        assert all(torch.equal(merged[k], expected[k]) for k in expected)
 
 
 # --- declared parameters ------------------------------------------------------

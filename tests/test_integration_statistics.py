@@ -1,7 +1,4 @@
-"""The statistics pass: the order it walks the groups in, and its memory.
-
-It walks the merge's groups backwards (reversed_groups), each right after
-the tasks it needs, and ends up with the statistics a forward pass counts.
+"""The statistics pass: its read-ahead, and its memory.
 
 It keeps about one tensor group in memory, not the model. Two families share
 their largest tensor (and every tensor shape) but differ eight-fold in depth.
@@ -21,125 +18,59 @@ size (4 bytes per element per model).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import TaskSpec, build_family, merge_yaml, read_json
-from mergekit.graph import Executor, Task
 
-import mergekit_ram.integration.statistics as statistics_pass
-from mergekit_ram.integration.methods import RAMMergeTask
+from mergekit_ram.integration.checkpoints import safetensors_spans
 
-# --- order --------------------------------------------------------------------
-
-EXECUTED: list[str] = []
+# --- read-ahead ---------------------------------------------------------------
 
 
-class Read(Task[int]):
-    """A load: its group is its name, and it runs before anything else in it."""
-
-    name: str
-
-    def arguments(self) -> dict[str, Task]:
-        return {}
-
-    def execute(self) -> int:
-        EXECUTED.append(self.name)
-        return len(self.name)
-
-    def group_label(self) -> str:
-        return self.name
-
-    def priority(self) -> int:
-        return -1000
-
-
-class Vocabulary(Task[int]):
-    """Shared by two groups, like mergekit's tokenizer task (no group)."""
-
-    def arguments(self) -> dict[str, Task]:
-        return {}
-
-    def execute(self) -> int:
-        EXECUTED.append("vocabulary")
-        return 100
-
-
-class Group(Task[int]):
-    name: str
-    shared: bool = False
-
-    def arguments(self) -> dict[str, Task]:
-        own = {"read": Read(name=self.name)}
-        return own | ({"vocabulary": Vocabulary()} if self.shared else {})
-
-    def execute(self, read: int, vocabulary: int = 0) -> int:
-        EXECUTED.append(f"group {self.name}")
-        return read + vocabulary
-
-    def group_label(self) -> str:
-        return self.name
-
-
-def test_reversed_groups_runs_targets_backwards_each_after_what_it_needs():
-    groups = [
-        Group(name="b"),
-        Group(name="a", shared=True),
-        Group(name="d"),
-        Group(name="c", shared=True),
-    ]
-    executor = Executor(targets=groups)
-    forward = [t.name for t, _ in executor.run(quiet=True)]
-    assert forward == ["a", "b", "c", "d"]  # mergekit's order: by group
-    EXECUTED.clear()
-    executor = Executor(targets=groups)
-    executor.schedule = statistics_pass.reversed_groups(
-        executor.schedule, executor.targets
-    )
-    results = {t.name: value for t, value in executor.run(quiet=True)}
-    assert list(results) == ["d", "c", "b", "a"]
-    assert results == {"a": 101, "b": 1, "c": 101, "d": 1}
-    assert EXECUTED == [
-        "d", "group d", "vocabulary", "c", "group c", "b", "group b", "a", "group a"
-    ]  # fmt: skip
-    # Each value is dropped right after its last use: a read with its group,
-    # the shared vocabulary with the last group that needs it.
-    schedule = executor.schedule
-    position = {h.task(): i for i, h in enumerate(schedule.tasks)}
-    last_use = {h.task(): schedule.last_use_index[h] for h in schedule.tasks}
-    for group in groups:
-        assert last_use[Read(name=group.name)] == position[group] == last_use[group]
-    assert last_use[Vocabulary()] == position[Group(name="a", shared=True)]
-
-
-def test_pass_reads_the_groups_in_the_reverse_of_the_merge(
+def test_read_ahead_hints_each_input_tensor_once_and_changes_nothing(
     model_family, tmp_path, monkeypatch
 ):
-    family = model_family("pass-order", tokenizer=False)
-    counted: list[str] = []
-    merged: list[str] = []
-    count_task = statistics_pass._count_task
-    merge_execute = RAMMergeTask.execute
+    """Every input tensor's bytes are hinted once, in the real file; the
+    merge and its statistics are those of a merge without hints (Windows has
+    no posix_fadvise) or whose hints fail."""
+    family = model_family("prefetch", tokenizer=False)
+    advised: list[tuple[str, int, int]] = []
 
-    def count(stats: Any, task: Any, *args: Any) -> None:
-        counted.append(task.output_weight.name)
-        count_task(stats, task, *args)
+    def record(descriptor, start, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        advised.append((os.readlink(f"/proc/self/fd/{descriptor}"), start, length))
 
-    def execute(self: RAMMergeTask, *args: Any, **kwargs: Any) -> Any:
-        merged.append(self.output_weight.name)
-        return merge_execute(self, *args, **kwargs)
+    def refuse(*_args):
+        raise OSError(22, "Invalid argument")
 
-    monkeypatch.setattr(statistics_pass, "_count_task", count)
-    monkeypatch.setattr(RAMMergeTask, "execute", execute)
-    merge_yaml(family.yaml("ramplus"), tmp_path / "out")
-    assert len(merged) == len(family.state("base")) > 2
-    assert counted == merged[::-1]
-    statistics = read_json(tmp_path / "out" / "ram_statistics.json")
-    assert statistics["num_tensors"] == len(merged)
+    merges = {}
+    for how in ("hinted", "missing", "failing"):
+        if how == "missing":
+            monkeypatch.delattr(os, "posix_fadvise", raising=False)
+        else:
+            fadvise = record if how == "hinted" else refuse
+            monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
+        weights = merge_yaml(family.yaml("ramplus"), tmp_path / how)
+        statistics = read_json(tmp_path / how / "ram_statistics.json")
+        statistics.pop("seconds")
+        merges[how] = (weights, statistics)
+    expected = set()
+    for folder in family.paths.values():
+        file = os.path.realpath(Path(folder) / "model.safetensors")
+        spans = safetensors_spans(file)
+        expected |= {(file, start, length) for start, length in spans.values()}
+    assert sorted(advised) == sorted(expected)
+    weights, statistics = merges["hinted"]
+    for other_weights, other_statistics in (merges["missing"], merges["failing"]):
+        assert other_statistics == statistics
+        assert other_weights.keys() == weights.keys()
+        assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
 
 
 # --- memory -------------------------------------------------------------------

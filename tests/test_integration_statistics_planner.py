@@ -501,19 +501,6 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypa
     ).read_bytes()
 
 
-@pytest.mark.parametrize("key", ["r", "epsilon"])
-def test_per_tensor_filter_with_global_statistics_refused(key, family_f32, tmp_path):
-    family = family_f32
-    default = spec_default(key)
-    value = [{"filter": "mlp", "value": default * 2}, {"value": default}]
-    text = family.yaml("ramplus", parameters={key: value})
-    out = tmp_path / "out"
-    with pytest.raises(ValueError, match=f"'{key}'"):
-        run(text, out)
-    assert not (out / "model.safetensors").exists()
-    assert not (out / STATISTICS_FILE).exists()
-
-
 def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
     family = family_f32
     value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
@@ -525,39 +512,3 @@ def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
     rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
     expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
     assert_same_state(merged_state(out), expected)
-
-
-@pytest.mark.parametrize(
-    "method, parameters, reads_again",
-    [
-        ("ramplus", dict(CASES["clip"]), False),
-        ("ramplus", {**CASES["clip"], "nonfinite": "ignore"}, True),
-        ("ramplus", {**CASES["clip"], "statistics": "tensor"}, False),
-        ("ram", {}, False),
-    ],
-)
-def test_finite_inputs_cost_no_read_of_their_own_when_refusing(
-    method, parameters, reads_again, family_f32, tmp_path, monkeypatch
-):
-    """Refusing, the pass counts with its own sums of τ (`checked`) and the
-    mean kernel's walk checks with its own (`on_nonfinite`): finite inputs
-    are read element by element only under `nonfinite: ignore`, which
-    replaces values."""
-    import mergekit_ram.integration.methods as methods
-
-    calls = {"element by element": 0, "walk": 0}
-    real_check, real_kernel = methods.finite_inputs, methods.ram_merge_tensor
-
-    def check(*args, **kwargs):
-        calls["element by element"] += 1
-        return real_check(*args, **kwargs)
-
-    def kernel(*args, **kwargs):
-        calls["walk"] += "on_nonfinite" in kwargs
-        return real_kernel(*args, **kwargs)
-
-    monkeypatch.setattr(methods, "finite_inputs", check)
-    monkeypatch.setattr(methods, "ram_merge_tensor", kernel)
-    run(family_f32.yaml(method, parameters=parameters), tmp_path / "out")
-    assert (calls["element by element"] > 0) == reads_again
-    assert (calls["walk"] > 0) == (not reads_again)

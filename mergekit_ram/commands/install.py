@@ -16,4 +16,4 @@ def install(eager: bool = True) -> None:
     # Lazy: the section's module imports mergekit; this module must not.
     from mergekit_ram.analysis.card import statistics_section
 
-    integration.install(eager, card_section=statistics_section)
+    integration.install(eager, statistics_section)

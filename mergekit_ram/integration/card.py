@@ -17,30 +17,23 @@ from mergekit.config import MergeConfiguration
 from mergekit_ram.integration.validation import model_lists
 
 
-def repository_url() -> str | None:
-    """The repository address the installed package declares (pyproject's
-    [project.urls]), if it declares one."""
+def where_from() -> str:
+    """Where a reader of the card gets mergekit-ram (it is not on PyPI): the
+    repository the installed package declares (pyproject's [project.urls])."""
     try:
         entries = metadata.metadata("mergekit-ram").get_all("Project-URL") or []
     except metadata.PackageNotFoundError:
-        return None
+        entries = []
     urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
-    for label in ("Repository", "Source", "Homepage"):
-        if label in urls:
-            return urls[label]
-    return None
-
-
-def where_from() -> str:
-    """Where a reader of the card gets mergekit-ram (it is not on PyPI)."""
-    url = repository_url()
+    url = next(
+        (urls[k] for k in ("Repository", "Source", "Homepage") if k in urls), None
+    )
     if url is None:
         return "not on PyPI: installed from a clone of its repository"
     return f"not on PyPI: install it from its repository, {url}"
 
 
-# How each `shared` mode is named in the card's heading.
-SHARED_MODES = ("mean", "ties", "base")
+SHARED = ("mean", "ties", "base")  # the `shared` modes
 
 
 def shared_mode(values: Mapping[str, set[Any]]) -> str | None:
@@ -70,7 +63,7 @@ def variant(values: Mapping[str, set[Any]]) -> str:
         ]
     else:
         name = "RAM"
-    parts.append(one("shared", {mode: f"`shared: {mode}`" for mode in SHARED_MODES}))
+    parts.append(one("shared", {mode: f"`shared: {mode}`" for mode in SHARED}))
     return f"{name} ({', '.join(parts)})"
 
 

@@ -2,15 +2,14 @@
 
 The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
-planner hook stores its (settings, statistics, scales) there, the model-card
-hook and `mergekit-ram merge --report` read them back, and the card's hub
-lookup notes there what it could not link. The survival tally of
-λ (`core.survival`) lives there too: the planner makes it, each merge task
-adds to it, the last task writes it out. Merge tasks may run on worker
-threads (mergekit's --multi-gpu executor), which do not inherit the context;
-they carry their run and bind it with `running`. The run's worker threads
-(`core.parallel`) serve every chunked walk of the merge, the pass's
-included, and end with it.
+planner hook stores what the statistics pass counted there (`Counted`), and
+the model-card hook and `mergekit-ram merge --report` read it back. The
+survival tally of λ (`core.survival`) lives there too: the planner makes it,
+each merge task adds to it, the last task writes it out. Merge tasks may run
+on worker threads (mergekit's --multi-gpu executor), which do not inherit
+the context; they carry their run and bind it with `running`. The run's
+worker threads (`core.parallel`) serve every chunked walk of the merge, the
+pass's included, and end with it.
 """
 
 from __future__ import annotations
@@ -19,12 +18,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from mergekit_ram.core.counting import LocalScales
+from mergekit_ram.core.counting import LocalScales, OverlapStatistics
 from mergekit_ram.core.parallel import Workers, using, workers
+from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.cpus import usable_cpus
+
+
+class Counted(NamedTuple):
+    """What the statistics pass of a global RAM+ merge computed: its settings,
+    the counts, and each task model's λ."""
+
+    settings: MergeSettings
+    stats: OverlapStatistics
+    scales: dict[Any, float]
 
 
 @dataclass(eq=False)
@@ -38,13 +47,14 @@ class MergeRun:
     configuration's warnings, for the plan-time checks to report with theirs
     (validation); `values`: each setting's values over the planned tensors,
     for the card; `card_name`: the name mergekit would give the card (OUT's
-    last name), since mergekit writes into our staging folder.
+    last name), since mergekit writes into our staging folder; `plan_only`:
+    stop mergekit's run_merge once it has planned (`statistics.plan_merges`).
 
     Compared by identity: merge tasks carry their run, and mergekit compares
     tasks (their statistics must never be compared element by element).
     """
 
-    result: tuple | None = None
+    result: Counted | None = None
     tally: SurvivalTally | None = None
     inner_products: bool = False
     workers: Workers | None = None
@@ -52,6 +62,7 @@ class MergeRun:
     findings: Any = None
     values: dict = field(default_factory=dict)
     card_name: str | None = None
+    plan_only: bool = False
 
 
 _CURRENT: ContextVar[MergeRun | None] = ContextVar("mergekit_ram_run", default=None)

@@ -1,13 +1,13 @@
-"""Put our methods into mergekit: every change to it is one line of PATCHES.
+"""Put our methods into mergekit: every change to it is one line of `install`.
 
 mergekit 0.1.5 has no plugin discovery and no hooks for what RAM+ needs, so
 this writes into its registry table (taking over `ram` on purpose: stock
 `ram` ignores r/alpha, ours equals it at defaults) and wraps two planner
 methods, the card generator and its hub lookup, and run_merge (checks
-first, a merge that touches only its own files). Each
-line of PATCHES names the hook mergekit lacks that would remove it. Every
-step is idempotent and checks that the host still looks as expected, failing
-with IncompatibleMergekit otherwise rather than half-working.
+first, a merge that touches only its own files). Each change names the hook
+mergekit lacks that would remove it. Every step is idempotent and checks
+that the host still looks as expected, failing with IncompatibleMergekit
+otherwise rather than half-working.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any
 
 import _mergekit_ram_autoload as autoload
 
 SUPPORTED = "mergekit>=0.1.5,<0.2"
+# What the card adds for a merge run (a MergeRun → its Markdown section).
+CardSection = Callable[[Any], str]
 
 
 class IncompatibleMergekit(RuntimeError):
@@ -36,8 +38,17 @@ def _incompatible(what: str) -> IncompatibleMergekit:
     )
 
 
+def _wrapped(owner: Any, name: str, what: str) -> Callable | None:
+    """`owner.name`, or None when it is already ours; refuses a missing one."""
+    current = getattr(owner, name, None)
+    if not callable(current):
+        raise _incompatible(f"{what} is missing")
+    return None if hasattr(current, "__mergekit_ram__") else current
+
+
 def register_methods() -> None:
-    """Register `ram` (replacing stock) and `ramplus`; a no-op when done."""
+    """Register `ram` and `ramplus`, taking a name only from nobody, from
+    stock `ram`, or from ourselves; a no-op when done."""
     from mergekit.merge_methods import ram as stock_ram
     from mergekit.merge_methods import registry
 
@@ -48,10 +59,11 @@ def register_methods() -> None:
         raise _incompatible("mergekit.merge_methods.registry has no _METHODS table")
     for method in METHODS:
         current = table.get(method.spec.name)
-        replaceable = current is None or isinstance(current, RAMMerge)
-        if method.spec.name == "ram":
-            replaceable = replaceable or current is stock_ram.ram_merge
-        if not replaceable:
+        if not (
+            current is None
+            or isinstance(current, RAMMerge)
+            or (method.spec.name == "ram" and current is stock_ram.ram_merge)
+        ):
             raise _incompatible(
                 f"merge method {method.spec.name!r} is already registered by "
                 f"{type(current).__module__}"
@@ -66,36 +78,25 @@ def patch_planner(plan: ModuleType) -> None:
         patched_plan_to_disk,
     )
 
+    planner = getattr(plan, "MergePlanner", None)
     for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
-        planner = getattr(plan, "MergePlanner", None)
-        current = getattr(planner, name, None)
-        if not callable(current):
-            raise _incompatible(f"MergePlanner.{name} is missing")
-        if not hasattr(current, "__mergekit_ram__"):
-            setattr(planner, name, wrap(current))
+        original = _wrapped(planner, name, f"MergePlanner.{name}")
+        if original is not None:
+            setattr(planner, name, wrap(original))
 
 
-# The card's RAM+ statistics section of a merge run: set by `install`'s
-# caller (mergekit_ram.commands.install hands analysis.card's builder down,
-# since integration imports no analysis); none until then.
-_card_section: list[Callable[[Any], str]] = []
-
-
-def patch_card(merge: ModuleType) -> None:
-    """Add the RAM+ statistics section (`_card_section`) to mergekit's model
-    card; for a RAM merge, name its variant and the base model's licence and
-    list its models in the configuration's order; and keep the card's hub
-    lookup from failing or stalling a finished RAM merge offline."""
+def patch_card(merge: ModuleType, card_section: CardSection) -> None:
+    """Add `card_section` to mergekit's model card; for a RAM merge, name its
+    variant and the base model's licence and list its models in the
+    configuration's order; and keep the card's hub lookup from failing or
+    stalling a finished RAM merge offline."""
     from mergekit_ram.integration.card import described_card, in_config_order
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.methods import is_ours
 
-    original = getattr(merge, "generate_card", None)
-    if not callable(original):
-        raise _incompatible("mergekit.merge.generate_card is missing")
-    if hasattr(original, "__mergekit_ram__"):
+    original = _wrapped(merge, "generate_card", "mergekit.merge.generate_card")
+    if original is None:
         return
-
     card_module = sys.modules[original.__module__]
     lookup = getattr(card_module, "is_hf", None)
     if not callable(lookup):
@@ -103,8 +104,8 @@ def patch_card(merge: ModuleType) -> None:
 
     def is_hf(path: str) -> bool:
         # mergekit asks the hub whether a local folder named like a hub id
-        # (`in/base`) is also a repository, to link it: offline that failed
-        # after the whole merge, a silent hub stalled it. For a RAM merge a
+        # (`in/base`) is also a repository, to link it: offline that fails
+        # after the whole merge, a silent hub stalls it. For a RAM merge a
         # path that exists here is the folder the merge read, never a hub id.
         if current_run() is not None and os.path.exists(path):
             return False
@@ -113,17 +114,14 @@ def patch_card(merge: ModuleType) -> None:
     def generate_card(config, config_yaml, name=None):
         ours = is_ours(config.merge_method)
         run = current_run()
-        values = run.values if run is not None else {}
         if run is not None and run.card_name is not None:
             name = run.card_name  # OUT's name, not our staging folder's
         if ours:
             config = in_config_order(config)
         card = original(config=config, config_yaml=config_yaml, name=name)
         if ours:
-            card = described_card(card, config, values)
-        if run is not None and _card_section:
-            card += _card_section[0](run)
-        return card
+            card = described_card(card, config, run.values if run is not None else {})
+        return card if run is None else card + card_section(run)
 
     is_hf.__mergekit_ram__ = lookup
     generate_card.__mergekit_ram__ = original
@@ -140,10 +138,8 @@ def patch_run_merge(merge: ModuleType) -> None:
     """
     from mergekit_ram.integration.publishing import guarded_run_merge
 
-    original = getattr(merge, "run_merge", None)
-    if not callable(original):
-        raise _incompatible("mergekit.merge.run_merge is missing")
-    if hasattr(original, "__mergekit_ram__"):
+    original = _wrapped(merge, "run_merge", "mergekit.merge.run_merge")
+    if original is None:
         return
     merge.run_merge = guarded_run_merge(original)
     for name, module in list(sys.modules.items()):
@@ -152,67 +148,35 @@ def patch_run_merge(merge: ModuleType) -> None:
             module.run_merge = merge.run_merge
 
 
-class Patch(NamedTuple):
-    """One change to mergekit: where, what does it, and the hook mergekit
-    lacks whose arrival would let this line go."""
-
-    module: str
-    apply: Callable[[ModuleType], None]
-    changes: str
-    missing_hook: str
-
-
-# Every change this package makes to mergekit 0.1.5, in one place. (Besides
-# these, `methods.RAMMerge` overrides GroupMergeMethod._execute to hand the
-# output dtype to the kernel, which mergekit passes only to _execute.)
-PATCHES = (
-    Patch(
-        "mergekit.merge_methods.registry",
-        lambda _module: register_methods(),
-        "registry._METHODS: `ram` replaced, `ramplus` added",
-        "a way to replace a registered method (register() refuses a taken name)",
-    ),
-    Patch(
-        "mergekit.plan",
-        patch_planner,
-        "MergePlanner._plan, plan_to_disk: merge tasks made RAMMergeTask with "
-        "global λ; a task writing ram_statistics.json",
-        "a method hook after planning, and one for tasks after the model is written",
-    ),
-    Patch(
-        "mergekit.merge",
-        patch_card,
-        "merge.generate_card, card.is_hf: the variant, licence, statistics "
-        "section; no hub lookup of a local folder",
-        "a method hook for its card section; a card that knows local paths",
-    ),
-    Patch(
-        "mergekit.merge",
-        patch_run_merge,
-        "merge.run_merge (and scripts that bound it): checks first, then "
-        "staging and publishing inside OUT",
-        "a pre-merge validation hook and an output writer that stages and publishes",
-    ),
-)
-
-
-def install(
-    eager: bool = True, card_section: Callable[[Any], str] | None = None
-) -> None:
+def install(eager: bool, card_section: CardSection) -> None:
     """Register the methods and patch what of mergekit is loaded.
 
     With eager=False (called while mergekit is still importing) a module that
     is not completely loaded yet is left for the autoload hook to patch when
-    its import finishes. `card_section`: what the card adds for a merge run
-    (a MergeRun → its Markdown section); None keeps the one given before.
+    its import finishes. `card_section`: what the card adds for a merge run.
     """
-    if card_section is not None:
-        _card_section[:] = [card_section]
-    for patch in PATCHES:
-        module = patch.module
+    # Every change to mergekit 0.1.5, each under the hook whose arrival would
+    # let it go. (Besides these, `methods.RAMMerge` overrides
+    # GroupMergeMethod._execute to hand the output dtype to the kernel.)
+    patches: tuple[tuple[str, Callable[[ModuleType], None]], ...] = (
+        # A way to replace a registered method (register() refuses a taken
+        # name): registry._METHODS gets our `ram` and `ramplus`. Always first:
+        # the methods exist before any plan.
+        ("mergekit.merge_methods.registry", lambda _module: register_methods()),
+        # A method hook after planning, and one for tasks after the model is
+        # written: MergePlanner._plan makes merge tasks RAMMergeTask with
+        # global λ; plan_to_disk adds a task writing ram_statistics.json.
+        ("mergekit.plan", patch_planner),
+        # A method hook for its card section, a card that knows local paths:
+        # merge.generate_card and card.is_hf.
+        ("mergekit.merge", lambda merge: patch_card(merge, card_section)),
+        # A pre-merge validation hook and an output writer that stages and
+        # publishes: merge.run_merge (and scripts that bound it).
+        ("mergekit.merge", patch_run_merge),
+    )
+    for index, (module, apply) in enumerate(patches):
         loaded = module in sys.modules and not autoload.loading(module)
-        # The registry first and always: the methods exist before any plan.
-        if loaded or eager or patch is PATCHES[0]:
+        if loaded or eager or index == 0:
             # sys.modules first: a module whose import just finished is not yet
             # an attribute of its package, and `import a.b` would fail on it.
-            patch.apply(sys.modules.get(module) or importlib.import_module(module))
+            apply(sys.modules.get(module) or importlib.import_module(module))

@@ -1,21 +1,25 @@
 """`ram` and `ramplus` as mergekit merge methods: start reading here.
 
-A method is mergekit's small frozen object with a declarative spec: its
-parameters (`_spec`: names, types, scopes, defaults, `PARAMETER_HELP`) and
-`merge_group`, which takes one tensor group and calls the kernel
+A method is mergekit's frozen object with a declarative spec and
+`merge_group`, whose signature declares each parameter's scope, type and
+default (the spec is derived from it, as mergekit derives its own methods'
+with `easy_define._parameter_spec`, a name it does not publish). It takes
+one tensor group and calls the kernel
 (`core.kernel.ram_merge_tensor`, or the authors' `shared: ties` / `base`
 modes). mergekit plans each tensor as an `ExecuteMergeMethodTask`; the
 planner hook (`statistics`) makes it a `RAMMergeTask` of the merge in
 progress, which applies RAM's input rules first and hands whole-model λ in
-as `unique_scale`. Overridden mergekit internals: `_execute` (to pass the
-output dtype to the kernel; see install.PATCHES).
+as `unique_scale`. `RAMMerge._execute` overrides mergekit's to hand the
+output dtype to the kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import dataclasses
+import inspect
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_type_hints
 
 import torch
 from mergekit.merge_methods.base import (
@@ -23,12 +27,12 @@ from mergekit.merge_methods.base import (
     GroupMergeMethod,
     InputContract,
     MergeMethodSpec,
-    ParameterScope,
-    ParameterSpec,
     PerInputValues,
+    PerNonBase,
     TensorGroup,
 )
 from mergekit.merge_methods.dtype import align_dtype
+from mergekit.merge_methods.easy_define import _parameter_spec
 from mergekit.merge_methods.task_adapter import ExecuteMergeMethodTask
 from pydantic import BeforeValidator, Field, PrivateAttr
 
@@ -39,10 +43,9 @@ from mergekit_ram.core.checks import (
     from_base,
 )
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts
-from mergekit_ram.core.kernel import RescaleFn, ram_merge_tensor
+from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.core.ties import ties_merge_tensor
 from mergekit_ram.core.unique import unique_merge_tensor
 from mergekit_ram.integration.context import (
@@ -72,35 +75,6 @@ NonNegative = Annotated[
 ]
 # A fraction in [0, 1] (density).
 Fraction = Annotated[NonNegative, Field(le=1)]
-
-PARAMETER_HELP = {
-    "epsilon": "an element counts as changed when |θ_t − θ₀| > epsilon",
-    "r": "RAM+ strength; 0 is plain RAM",
-    "alpha": "cap on the shared/unique ratio (clip rule)",
-    "saturation": "clip (paper Eq. 6) or soft (λ = 1 + r·S/C)",
-    "statistics": "global (whole model, the paper) or tensor (per tensor)",
-    "unique_scale": "explicit λ for this task model; skips its statistics",
-    "nonfinite": "refuse NaN/Inf inputs, or ignore them (keep the base there)",
-    "shared": "shared elements: mean (RAM), ties (the authors' arm-ties) or "
-    "base (unique elements only, their arm-unique)",
-    "density": "with shared: ties, the fraction of each task's shared "
-    "elements TIES keeps (largest |τ|)",
-}
-
-
-def _survival_counter(
-    tally: SurvivalTally | None, ids: Sequence[Hashable], written: torch.dtype
-) -> RescaleFn | None:
-    """The kernel's on_rescaled hook adding to `tally` (None: nothing to count)."""
-    if tally is None:
-        return None
-    name = str(written).removeprefix("torch.")
-
-    def count(index: int, rescaled: int, survived: int) -> None:
-        if rescaled:
-            tally.add(ids[index], rescaled, survived, name)
-
-    return count
 
 
 @dataclass(frozen=True)
@@ -139,42 +113,61 @@ class RAMMerge(GroupMergeMethod):
         group: TensorGroup,
         /,
         *,
-        epsilon: float,
-        r: float,
-        alpha: float,
-        saturation: str,
-        statistics: str,
-        nonfinite: str,
-        shared: str,
-        density: float,
-        unique_scale: PerInputValues[float | None],
-        out_dtype: torch.dtype | None = None,
+        # an element counts as changed when |θ_t − θ₀| > epsilon
+        epsilon: NonNegative = 1e-5,
+        r: NonNegative = 0.0,  # RAM+ strength; 0 is plain RAM
+        alpha: NonNegative = 2.0,  # cap on ρ = S/U (clip rule)
+        # clip (paper Eq. 6) or soft (λ = 1 + r·S/C)
+        saturation: Literal["clip", "soft"] = "clip",
+        # global (whole model, the paper) or tensor (per tensor)
+        statistics: Literal["global", "tensor"] = "global",
+        # refuse NaN/Inf inputs, or ignore them (keep the base there)
+        nonfinite: Literal["refuse", "ignore"] = "refuse",
+        # shared elements: mean (RAM), ties (the authors' arm-ties) or base
+        # (unique elements only, their arm-unique)
+        shared: Literal["mean", "ties", "base"] = "mean",
+        # with shared: ties, the fraction of each task's shared elements TIES
+        # keeps (largest |τ|)
+        density: Fraction = 0.1,
+        # an explicit λ per task model: skips its statistics
+        unique_scale: PerNonBase[NonNegative | None] = None,
+        out_dtype: torch.dtype | None = None,  # what is written; not a parameter
     ) -> torch.Tensor:
-        if group.base is None:
-            raise ValueError(f"{self.spec.name} needs a base model")
         base = group.base.tensor
         if from_base(base.dtype):
             return base.clone()
         written = out_dtype or base.dtype
-        tasks = group.non_base
-        rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
-        scales = []
-        for entry in tasks:
-            # None: λ from this tensor's own counts (statistics: tensor; a
-            # global merge always has λ here, from _execute or the planner).
-            explicit = unique_scale.get(entry.id)
-            scales.append(1.0 if explicit is None and r == 0 else explicit)
+        ids = [entry.id for entry in group.non_base]
+        # None: λ from this tensor's own counts (statistics: tensor; a global
+        # merge always has λ here, from _execute or the planner).
+        explicit = [unique_scale.get(i) for i in ids]
+        scales = [1.0 if value is None and r == 0 else value for value in explicit]
         name = group.metadata.name or "tensor"
-        inputs = {entry.id: entry.tensor for entry in tasks}
+        inputs = {entry.id: entry.tensor for entry in group.non_base}
+        run = current_run()
+        rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
+
+        def local_scale(index: int, histogram: torch.Tensor) -> float:
+            """λ from this tensor's k-way histogram, noted for the card."""
+            counts = TaskCounts(histogram.tolist())
+            value = rule.scale(counts.shared, counts.unique)
+            if run is not None:
+                run.local.add(name, ids[index], base.numel(), counts.histogram, value)
+            return value
+
+        def count_survival(index: int, rescaled: int, survived: int) -> None:
+            if rescaled:
+                dtype = str(written).removeprefix("torch.")
+                run.tally.add(ids[index], rescaled, survived, dtype)
+
+        def check() -> dict:
+            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
+
         kernel, extra = {
             "mean": (ram_merge_tensor, {}),
             "ties": (ties_merge_tensor, {"density": density}),
             "base": (unique_merge_tensor, {}),
         }[shared]
-
-        def check() -> dict:
-            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
-
         if nonfinite != "refuse":
             inputs = check()  # a non-finite value becomes the base's
         elif shared == "mean":
@@ -183,15 +176,14 @@ class RAMMerge(GroupMergeMethod):
             extra = {"on_nonfinite": check}
         else:
             check()
-        ids = [entry.id for entry in tasks]
         merged = kernel(
             base,
             [inputs[i] for i in ids],
             epsilon=epsilon,
             scales=scales,
-            scale_fn=_local_scales(rule, name, ids, base),
+            scale_fn=local_scale,
             out_dtype=written,
-            on_rescaled=_survival_counter(_tally(), ids, written),
+            on_rescaled=None if run is None or run.tally is None else count_survival,
             **extra,
         )
         finite_output(name, base, merged, nonfinite)
@@ -220,7 +212,7 @@ def _whole_call_scales(
             for model, value in params["unique_scale"].items():
                 explicit.setdefault(model, value)
             group = align_dtype(group, dtype)
-            if group.base is None or from_base(group.base.tensor.dtype):
+            if from_base(group.base.tensor.dtype):
                 continue
             base = group.base.tensor
             inputs = {entry.id: entry.tensor for entry in group.non_base}
@@ -243,57 +235,22 @@ def _whole_call_scales(
     ]
 
 
-def _tally() -> SurvivalTally | None:
-    """The survival tally of the merge in progress (None: nothing to count)."""
-    run = current_run()
-    return None if run is None else run.tally
-
-
-def _local_scales(
-    rule: ScaleRule, name: str, ids: Sequence[Hashable], base: torch.Tensor
-) -> Callable[[int, torch.Tensor], float]:
-    """λ from one tensor's k-way histogram (statistics: tensor), noted in the
-    merge in progress for its card."""
-    run = current_run()
-
-    def scale(index: int, histogram: torch.Tensor) -> float:
-        counts = TaskCounts(histogram.tolist())
-        value = rule.scale(counts.shared, counts.unique)
-        if run is not None:
-            run.local.add(name, ids[index], base.numel(), counts.histogram, value)
-        return value
-
-    return scale
-
-
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
-    def shared(param: str, value_type: Any, default: Any) -> ParameterSpec:
-        return ParameterSpec(
-            param,
-            value_type,
-            ParameterScope.SHARED,
-            default,
-            description=PARAMETER_HELP[param],
-        )
-
+    """The method's parameters as merge_group declares them (mergekit's
+    signature-derived spec: scope, type, default), with RAM+'s default r."""
+    hints = get_type_hints(RAMMerge.merge_group, include_extras=True)
+    arguments = inspect.signature(RAMMerge.merge_group).parameters.values()
+    parameters = [
+        _parameter_spec(argument, hints[argument.name], batched=False)
+        for argument in arguments
+        if argument.kind is inspect.Parameter.KEYWORD_ONLY
+        and argument.name != "out_dtype"
+    ]
     return MergeMethodSpec(
         name=name,
-        parameters=(
-            shared("epsilon", NonNegative, 1e-5),
-            shared("r", NonNegative, r),
-            shared("alpha", NonNegative, 2.0),
-            shared("saturation", Literal["clip", "soft"], "clip"),
-            shared("statistics", Literal["global", "tensor"], "global"),
-            shared("nonfinite", Literal["refuse", "ignore"], "refuse"),
-            shared("shared", Literal["mean", "ties", "base"], "mean"),
-            shared("density", Fraction, 0.1),
-            ParameterSpec(
-                "unique_scale",
-                NonNegative | None,
-                ParameterScope.NON_BASE,
-                None,
-                description=PARAMETER_HELP["unique_scale"],
-            ),
+        parameters=tuple(
+            dataclasses.replace(p, default=r) if p.name == "r" else p
+            for p in parameters
         ),
         contract=InputContract(base=BasePolicy.REQUIRED),
         pretty_name=pretty_name,
@@ -343,8 +300,6 @@ def as_ram_task(
     task: ExecuteMergeMethodTask, out_dtype: str | None, run: MergeRun | None
 ) -> RAMMergeTask:
     """The same planned merge as a RAMMergeTask of `run`, writing `out_dtype`."""
-    fields = type(task).model_fields
-    values = {name: getattr(task, name) for name in fields}
-    ram_task = RAMMergeTask(**{**values, "out_dtype": out_dtype})
+    ram_task = RAMMergeTask(**{**dict(task), "out_dtype": out_dtype})
     ram_task._run = run
     return ram_task

@@ -6,7 +6,7 @@ mergekit has planned a `ram` / `ramplus` merge, every planned merge task
 becomes a `methods.RAMMergeTask` of the merge in progress, and for global
 RAM+ the statistics pass (`collect_planned`) streams over the planner's own
 gather tasks, one group in memory at a time, walked in the reverse of the
-merge's order with the next group's bytes read ahead (`ReadAhead`); λ goes
+merge's order with the next group's bytes read ahead (`read_ahead`); λ goes
 to every planned task as its models' `unique_scale`. `plan_to_disk` gets a
 last task that writes ram_statistics.json (`statistics_document`) once the
 model is finalized, in the staging folder `publishing` publishes. The model
@@ -24,11 +24,12 @@ import logging
 import math
 import os
 import time
-from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import immutables
+import pydantic_core
 import torch
 from mergekit.graph import ExecutionSchedule, Executor, Task, TaskHandle
 from mergekit.io.tasks import FinalizeModel, LoaderCache, LoadTensor
@@ -43,7 +44,7 @@ from mergekit_ram.core.counting import (
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.checkpoints import safetensors_spans
-from mergekit_ram.integration.context import MergeRun, current_run
+from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
 from mergekit_ram.integration.methods import as_ram_task, is_ours
 from mergekit_ram.integration.validation import check_plan, resolved_values
 
@@ -56,17 +57,19 @@ LOG = logging.getLogger("mergekit_ram")
 STATISTICS_FILE = "ram_statistics.json"
 
 
-def task_rows(
-    stats: OverlapStatistics, scales: Mapping[Hashable, float]
-) -> list[dict[str, Any]]:
-    """Per task: model, changed, shared, unique, overlap_histogram, rho, scale.
-
-    rho is null when the task has shared but no unique elements (ρ = ∞).
-    """
-    rows = []
-    for task, counts in stats.tasks.items():
-        rho = counts.rho
-        rows.append(
+def statistics_document(
+    settings: MergeSettings,
+    stats: OverlapStatistics,
+    scales: Mapping[Hashable, float],
+) -> dict[str, Any]:
+    """The content of ram_statistics.json; a task's rho is null when it has
+    shared but no unique elements (ρ = ∞)."""
+    return {
+        **settings.as_dict(),
+        "num_tensors": stats.num_tensors,
+        "num_elements": stats.num_elements,
+        "seconds": round(stats.seconds, 3),
+        "tasks": [
             {
                 "model": str(task),
                 "elements": counts.elements,
@@ -74,25 +77,11 @@ def task_rows(
                 "shared": counts.shared,
                 "unique": counts.unique,
                 "overlap_histogram": list(counts.histogram),
-                "rho": rho if math.isfinite(rho) else None,
+                "rho": counts.rho if math.isfinite(counts.rho) else None,
                 "scale": scales.get(task, 1.0),
             }
-        )
-    return rows
-
-
-def statistics_document(
-    settings: MergeSettings,
-    stats: OverlapStatistics,
-    scales: Mapping[Hashable, float],
-) -> dict[str, Any]:
-    """The content of ram_statistics.json."""
-    return {
-        **settings.as_dict(),
-        "num_tensors": stats.num_tensors,
-        "num_elements": stats.num_elements,
-        "seconds": round(stats.seconds, 3),
-        "tasks": task_rows(stats, scales),
+            for task, counts in stats.tasks.items()
+        ],
     }
 
 
@@ -107,23 +96,15 @@ def with_survival(
     counts = {} if tally is None else {str(t): e for t, e in tally.counts.items()}
     missing = (None, None) if tally is None else (0, 0)
     for row in document["tasks"]:
-        rescaled, survived = counts.get(row["model"], missing)
-        row["rescaled"] = rescaled
-        row["rescale_survived"] = survived
+        row["rescaled"], row["rescale_survived"] = counts.get(row["model"], missing)
     document["written_dtypes"] = None if tally is None else sorted(tally.dtypes)
     return document
 
 
 def strict_json(value: Any) -> Any:
-    """`value` with every non-finite float as None, so json.dumps(...,
-    allow_nan=False) writes standard JSON (`null`) instead of Infinity / NaN."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {key: strict_json(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(item) for item in value]
-    return value
+    """`value` as plain JSON data with every non-finite float as None, so
+    json.dumps(..., allow_nan=False) writes standard JSON (`null`)."""
+    return json.loads(pydantic_core.to_json(value, inf_nan_mode="null"))
 
 
 # --- the pass ------------------------------------------------------------------
@@ -202,15 +183,14 @@ class BackwardExecutor(Executor):
 
 def collect_planned(
     planned: Sequence[Any],
+    options: Any,
     *,
     epsilon: float,
-    device: str | None,
-    storage_device: str | None,
-    quiet: bool,
     desc: str = "RAM+ statistics",
     inner_products: bool = False,
 ) -> OverlapStatistics:
-    """Stream over the gathered inputs of planned merge tasks and count them.
+    """Stream over the gathered inputs of planned merge tasks and count them,
+    on the devices the merge under `options` uses.
 
     `planned` holds mergekit ExecuteMergeMethodTask objects. Their gather tasks
     (loads, tokenizer permutation, truncation, dtype) run in mergekit's own
@@ -225,23 +205,23 @@ def collect_planned(
     for task in planned:
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
-    math_device = torch.device(device or "cpu")
+    math_device = torch.device(options.device or "cpu")
     executor = BackwardExecutor(
         targets=list(by_input),
         math_device=math_device,
-        storage_device=torch.device(storage_device or "cpu"),
+        storage_device=math_device if options.low_cpu_memory else "cpu",
     )
-    targets = set(executor.targets)
-    upcoming = loads_per_group(executor.schedule, targets)
-    read_ahead = ReadAhead()
-    try:
-        groups = executor.run(quiet=quiet, desc=desc)
-        for gather, tensors in hinted(groups, upcoming, read_ahead):
+    # The next group's bytes are read ahead, from a helper thread, while one
+    # is counted.
+    ahead = spans_per_group(executor.schedule, set(executor.targets)) + [[]]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead") as worker:
+        worker.submit(read_ahead, ahead[0])
+        groups = executor.run(quiet=options.quiet, desc=desc)
+        for (gather, tensors), upcoming in zip(groups, ahead[1:]):
+            worker.submit(read_ahead, upcoming)
             for task in by_input[gather]:
                 _count_task(stats, task, tensors, math_device)
             del tensors
-    finally:
-        read_ahead.close()
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(
@@ -267,10 +247,8 @@ def count_planned(
     """Run the statistics engine over planned tasks; λ per model, explicit first."""
     stats = collect_planned(
         merges,
+        options,
         epsilon=settings.epsilon,
-        device=options.device,
-        storage_device=options.device if options.low_cpu_memory else "cpu",
-        quiet=options.quiet,
         desc=desc,
         inner_products=inner_products,
     )
@@ -282,101 +260,52 @@ def count_planned(
 
 # (file, first byte, length) of one tensor's data.
 Span = tuple[str, int, int]
-# What a file that is not the safetensors it claims to be raises here; it
-# gets no hint (validation refuses truncated and corrupt files before a pass).
-UNREADABLE = (OSError, ValueError, KeyError, TypeError)
 
 
-def loads_per_group(
+def spans_per_group(
     schedule: ExecutionSchedule, targets: Collection[TaskHandle]
-) -> list[list[LoadTensor]]:
-    """The LoadTensor tasks each target's group runs, in the schedule's order.
-
-    The statistics pass schedules each target right after the tasks it needs
-    that have not run yet, so a group's loads are those since the previous
-    target."""
-    groups: list[list[LoadTensor]] = []
-    current: list[LoadTensor] = []
+) -> list[list[Span]]:
+    """Per target, in the schedule's order, where the tensors its group loads
+    lie on disk (safetensors shards only): the pass runs each target right
+    after what it needs, so a group's loads are those since the previous one."""
+    headers: dict[str, dict[str, tuple[int, int]]] = {}
+    groups: list[list[Span]] = [[]]
     for handle in schedule.tasks:
         task = handle.task()
         if isinstance(task, LoadTensor):
-            current.append(task)
-        if handle in targets:
-            groups.append(current)
-            current = []
-    return groups
-
-
-class ReadAhead:
-    """Hints the kernel to read groups' input bytes ahead of their use."""
-
-    def __init__(self) -> None:
-        self._spans: dict[str, dict[str, tuple[int, int]]] = {}
-        self._files: dict[str, int] = {}
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead")
-
-    def spans(self, loads: Iterable[LoadTensor]) -> list[Span]:
-        """Where each load's tensor lies on disk (safetensors shards only)."""
-        spans = []
-        for load in loads:
-            loader = LoaderCache().get(load.model)
+            loader = LoaderCache().get(task.model)
             # The name the load itself will read (its own, an alias or a tied name).
-            name = load._resolve_name(loader)
-            if name is None:
-                continue
-            index = loader.index
-            path = os.path.join(index.base_path, index.tensor_paths[name])
-            if not path.endswith(".safetensors"):
-                continue
-            if path not in self._spans:
-                self._spans[path] = safetensors_spans(path)
-            where = self._spans[path].get(name)
+            name = task._resolve_name(loader)
+            path = name and os.path.join(
+                loader.index.base_path, loader.index.tensor_paths[name]
+            )
+            if path and path.endswith(".safetensors") and path not in headers:
+                try:
+                    headers[path] = safetensors_spans(path)
+                # Not the safetensors it claims to be: no hint (validation
+                # refuses truncated and corrupt files before a pass).
+                except (OSError, ValueError, KeyError, TypeError):
+                    headers[path] = {}
+            where = headers.get(path, {}).get(name)
             if where is not None:
-                spans.append((path, *where))
-        return spans
+                groups[-1].append((path, *where))
+        if handle in targets:
+            groups.append([])
+    return groups[:-1]
 
-    def hint(self, loads: Sequence[LoadTensor]) -> None:
-        """Start reading these tensors' bytes in the background (best effort)."""
-        if not hasattr(os, "posix_fadvise") or not loads:
-            return
+
+def read_ahead(spans: Sequence[Span]) -> None:
+    """Ask the kernel to read these bytes into the page cache ahead of their
+    use (posix_fadvise WILLNEED; best effort, nothing on Windows)."""
+    for path, start, length in spans:
         try:
-            spans = self.spans(loads)
-        except UNREADABLE:
-            return
-        self._worker.submit(self._advise, spans)
-
-    def _advise(self, spans: list[Span]) -> None:
-        for path, start, length in spans:
+            descriptor = os.open(path, os.O_RDONLY)
             try:
-                if path not in self._files:
-                    self._files[path] = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(
-                    self._files[path], start, length, os.POSIX_FADV_WILLNEED
-                )
-            except OSError:
-                continue
-
-    def close(self) -> None:
-        """Wait for pending hints, then close the files they opened."""
-        self._worker.shutdown(wait=True)
-        for descriptor in self._files.values():
-            os.close(descriptor)
-        self._files.clear()
-
-
-def hinted(
-    pairs: Iterable[tuple[Any, Any]],
-    upcoming: Sequence[Sequence[LoadTensor]],
-    read_ahead: ReadAhead,
-) -> Iterator[tuple[Any, Any]]:
-    """Yield `pairs` (one per group, in `upcoming`'s order), hinting the next
-    group's loads as each group is handed out."""
-    if upcoming:
-        read_ahead.hint(upcoming[0])
-    for index, pair in enumerate(pairs):
-        if index + 1 < len(upcoming):
-            read_ahead.hint(upcoming[index + 1])
-        yield pair
+                os.posix_fadvise(descriptor, start, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(descriptor)
+        except (OSError, AttributeError):
+            continue
 
 
 # --- inside mergekit's planner --------------------------------------------------
@@ -409,84 +338,67 @@ class WriteStatistics(Task[None]):
         return True
 
 
-def scale_planned(
-    planner: MergePlanner,
-    run: MergeRun,
-    settings: MergeSettings,
-    explicit: dict[Any, Any],
-) -> tuple | None:
-    """Run the statistics pass for a planned RAM+ merge and rewrite its tasks.
-
-    Returns (settings, statistics, scales), or None when no pass is needed.
-    """
-    if not settings.needs_pass(explicit.keys(), explicit):
-        return None
-    merges = [task for _, task in planner._tensors]
-    stats, scales = count_planned(
-        merges,
-        settings,
-        explicit,
-        planner.options,
-        inner_products=run.inner_products,
-    )
-    planner._tensors = [
-        (weight, with_scales(task, scales)) for weight, task in planner._tensors
-    ]
-    return settings, stats, scales
-
-
 def with_scales(task: Any, scales: dict[Any, float]) -> Any:
     """A copy of a planned merge task whose task models carry their λ."""
-    params = immutables.Map(
-        {
-            model: (
-                immutables.Map({**values, "unique_scale": scales.get(model, 1.0)})
-                if "unique_scale" in values
-                else values
-            )
-            for model, values in task.input_parameters.items()
-        }
-    )
-    return task.model_copy(update={"input_parameters": params})
+    params = {
+        model: immutables.Map({**values, "unique_scale": scales.get(model, 1.0)})
+        if "unique_scale" in values
+        else values
+        for model, values in task.input_parameters.items()
+    }
+    return task.model_copy(update={"input_parameters": immutables.Map(params)})
 
 
 def rescales(merges: list[Any]) -> bool:
     """Whether some planned merge may scale unique elements by λ ≠ 1."""
-    for task in merges:
-        if task.parameters.get("r", 0) > 0:
-            return True
-        for params in task.input_parameters.values():
-            if params.get("unique_scale") not in (None, 1.0):
-                return True
-    return False
+    return any(
+        task.parameters.get("r", 0) > 0
+        or any(
+            params.get("unique_scale") not in (None, 1.0)
+            for params in task.input_parameters.values()
+        )
+        for task in merges
+    )
 
 
-def planned_run(planner: MergePlanner) -> MergeRun | None:
-    """The merge a planned RAM merge belongs to (None: not ours), from its
-    tasks: nothing of ours is set on mergekit's planner."""
-    task = next((task for _, task in planner._tensors), None)
-    return getattr(task, "_run", None)
+class _Planned(Exception):
+    """Stops mergekit's run_merge once it has planned (`plan_merges`)."""
+
+    def __init__(self, merges: list[Any]) -> None:
+        super().__init__("planned")
+        self.merges = merges
 
 
 def patched_plan(original):
     def _plan(self: MergePlanner) -> None:
         original(self)
-        if is_ours(self.config.merge_method):
-            # Outside run_merge (a planner used directly) the plan gets a run
-            # of its own, held by its tasks only.
-            run = current_run() or MergeRun()
-            merges = [task for _, task in self._tensors]
-            if not merges:
-                return
-            # Every rule on the resolved parameters, once, before any weight is read.
-            settings, explicit = check_plan(merges, run.findings)
-            run.values = resolved_values(merges)
-            run.tally = SurvivalTally() if rescales(merges) else None
-            self._tensors = [
-                (w, as_ram_task(t, w.force_dtype or self.config.out_dtype, run))
-                for w, t in self._tensors
-            ]
-            run.result = scale_planned(self, run, settings, explicit)
+        # Outside run_merge (a planner used directly) the plan gets a run of
+        # its own, held by its tasks only.
+        run = current_run() or MergeRun()
+        merges = [task for _, task in self._tensors]
+        if run.plan_only:
+            raise _Planned(merges)
+        if not is_ours(self.config.merge_method) or not merges:
+            return
+        # Every rule on the resolved parameters, once, before any weight is read.
+        settings, explicit = check_plan(merges, run.findings)
+        run.values = resolved_values(merges)
+        run.tally = SurvivalTally() if rescales(merges) else None
+        if settings.needs_pass(explicit.keys(), explicit):
+            stats, scales = count_planned(
+                merges,
+                settings,
+                explicit,
+                self.options,
+                inner_products=run.inner_products,
+            )
+            run.result = Counted(settings, stats, scales)
+            self._tensors = [(w, with_scales(t, scales)) for w, t in self._tensors]
+        out_dtype = self.config.out_dtype
+        self._tensors = [
+            (w, as_ram_task(t, w.force_dtype or out_dtype, run))
+            for w, t in self._tensors
+        ]
 
     _plan.__mergekit_ram__ = original
     return _plan
@@ -495,7 +407,9 @@ def patched_plan(original):
 def patched_plan_to_disk(original):
     def plan_to_disk(self: MergePlanner, out_path: str) -> list[Task]:
         tasks = original(self, out_path)
-        run = planned_run(self)
+        # The merge a planned RAM merge belongs to, from its tasks: nothing
+        # of ours is set on mergekit's planner.
+        run = next((getattr(t, "_run", None) for _, t in self._tensors), None)
         if run is None or (run.tally is None and run.result is None):
             return tasks
         finalize = next(t for t in tasks if isinstance(t, FinalizeModel))
@@ -508,39 +422,27 @@ def patched_plan_to_disk(original):
 
 
 def plan_merges(config: Any, options: Any) -> list[Any]:
-    """The merge tasks a merge of `config` would run (config is not modified).
+    """The merge tasks a merge of `config` would run (config is not modified),
+    planned by mergekit's own run_merge, stopped before the RAM+ hook checks
+    or counts anything. A configuration of another merge method is planned as
+    `ramplus` with no global parameters: the same tensors, inputs and gather
+    tasks, without that method's required parameters (weight, density, ...)
+    or its own ones (DELLA's epsilon, ...) read as ours."""
+    from mergekit import merge
 
-    As mergekit.merge.run_merge plans, but through the planner's original
-    `_plan`, so the RAM+ hook does not run its own statistics pass. A
-    configuration of another merge method is planned as `ramplus` with no
-    global parameters: the same tensors, inputs and gather tasks.
-    """
-    from mergekit import merge as mergekit_merge
-    from mergekit.architecture import get_architecture_info
-    from tqdm import tqdm
-
+    if not hasattr(MergePlanner._plan, "__mergekit_ram__"):  # stops run_merge
+        raise RuntimeError("mergekit-ram is not installed: call mergekit_ram.install()")
     config = config.model_copy(deep=True)
     if not is_ours(config.merge_method):
-        # Only the models and the base matter: plan as RAM+ so that another
-        # method's required parameters (weight, density, ...) are not needed
-        # and its own parameters (DELLA's epsilon, ...) are not read as ours.
         config.merge_method = "ramplus"
         config.parameters = None
-    if not config.models and not config.slices and not config.modules:
-        raise ValueError("the configuration has no models")
-    arch_info = get_architecture_info(config, options)
-    loader_cache = LoaderCache()
-    loader_cache.setup(options=options)
-    out_config = mergekit_merge._model_out_config(
-        config, arch_info, trust_remote_code=options.trust_remote_code
-    )
-    for model in tqdm(
-        config.referenced_models(), desc="Warmup loader cache", disable=options.quiet
-    ):
-        loader_cache.get(model)
-    planner = MergePlanner(
-        config, arch_info, options=options, out_model_config=out_config
-    )
-    plan = getattr(MergePlanner._plan, "__mergekit_ram__", MergePlanner._plan)
-    plan(planner)
-    return [task for _, task in planner._tensors]
+    run_merge = getattr(merge.run_merge, "__mergekit_ram__", merge.run_merge)
+    with merge_run() as run:
+        run.plan_only = True
+        try:
+            run_merge(config, "", options)
+        except _Planned as planned:
+            return planned.merges
+        finally:
+            run.plan_only = False
+    return []
