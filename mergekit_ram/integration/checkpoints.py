@@ -68,13 +68,6 @@ class Tensor(NamedTuple):
     dtype_name: str
     shape: tuple[int, ...]
 
-    @property
-    def merged(self) -> bool:
-        """Whether RAM merges it (floating point) rather than copying the base's."""
-        from mergekit_ram.core.checks import from_base
-
-        return not from_base(self.dtype)
-
 
 def _refuse(role: str, model: str, file: str, problem: str) -> RAMInputError:
     return RAMInputError(f"{role} {model}: {file} {problem}. {FIX}")
@@ -231,7 +224,7 @@ def check_models(
     """
     import torch
 
-    from mergekit_ram.core.checks import check_layout, uncomputable
+    from mergekit_ram.core.checks import check_layout, from_base, uncomputable
 
     names: list[Collection[str] | None] = []
 
@@ -250,7 +243,7 @@ def check_models(
         )
 
     base_tensors = model_tensors(base[1], base[0])
-    merged = {name: t for name, t in base_tensors.items() if t.merged}
+    merged = {n: t for n, t in base_tensors.items() if not from_base(t.dtype)}
     for name, tensor in merged.items():
         computable(name, tensor, *base)
     for role, path in tasks:
@@ -264,7 +257,9 @@ def check_models(
             if name not in merged:
                 continue  # copied from the base
             computable(name, found, role, path)
-            if not compare or (found.merged and found.shape == expected.shape):
+            if not compare or (
+                not from_base(found.dtype) and found.shape == expected.shape
+            ):
                 continue
             if vocabulary_free and found.shape[1:] == expected.shape[1:]:
                 continue

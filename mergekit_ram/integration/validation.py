@@ -31,7 +31,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from mergekit.architecture import arch_info_for_config
 from mergekit.common import ModelReference, dtype_from_name
-from mergekit.config import ConditionalParameter, MergeConfiguration
+from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import registry
 from mergekit.merge_methods.base import ParameterScope
 from mergekit.options import MergeOptions
@@ -483,14 +483,16 @@ def _parameters(
                 f"{where}: the base model has no task vector to scale, and "
                 f"mergekit ignores {key} on it. Remove it, or set it on a task model."
             )
-        elif _empty(setting):
-            findings.add(
-                f"{where}: an empty list gives {key} no value, and mergekit "
-                "would silently use the default. Write a value or remove the key."
-            )
         for value in _leaves(setting):
             try:
-                spec.validate(value)
+                if value is EMPTY:
+                    findings.add(
+                        f"{where}: an empty list gives {key} no value, and mergekit "
+                        "would silently use the default. Write a value or remove "
+                        "the key."
+                    )
+                else:
+                    spec.validate(value)
             except ValidationError as error:
                 findings.add(f"{where}: {error.errors()[0]['msg']} (got {value!r}).")
 
@@ -539,25 +541,21 @@ def _others(per_model: bool = False) -> dict[str, list[str]]:
     return names
 
 
+EMPTY = object()  # an empty list where a value belongs
+
+
 def _leaves(setting: Any) -> Iterator[Any]:
-    """The scalar values a written setting holds (inside filters, gradients)."""
-    if isinstance(setting, (dict, ConditionalParameter)):
-        inner = setting.get("value") if isinstance(setting, dict) else setting.value
-        yield from _leaves(inner)
+    """The scalar values a written setting holds (inside filters and
+    gradients), EMPTY for an empty list."""
+    if isinstance(setting, dict):
+        yield from _leaves(setting.get("value"))
     elif isinstance(setting, list):
+        if not setting:
+            yield EMPTY
         for item in setting:
             yield from _leaves(item)
     else:
         yield setting
-
-
-def _empty(setting: Any) -> bool:
-    """An empty list anywhere in a setting (a gradient or filter value)."""
-    if isinstance(setting, dict):
-        return _empty(setting.get("value"))
-    if isinstance(setting, list):
-        return not setting or any(_empty(item) for item in setting)
-    return False
 
 
 def _closest(name: str, choices: Iterable[str]) -> str | None:
