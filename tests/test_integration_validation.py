@@ -99,25 +99,23 @@ def test_python_api_refuses_before_reading(family_f32, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def mergekit_yaml(config: Path, out: Path, plugin: bool = True):
+    """A `mergekit-yaml` process, with the plugin's autoload on or off."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env["MERGEKIT_RAM_AUTOLOAD"] = "1" if plugin else "0"
+    command = [str(BIN / "mergekit-yaml"), str(config), str(out), "--quiet"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
 def test_stock_mergekit_yaml_exits_2_without_traceback(family_f32, tmp_path):
     """Stock mergekit-yaml validates too (the autoload hook wraps run_merge),
     and a RAMInputError raised inside mergekit's run_merge reaches click."""
     path = tmp_path / "negative.yml"
     path.write_text(family_f32.yaml("ramplus", parameters={"r": -1}))
-    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_RAM_AUTOLOAD"}
-    env["HF_HUB_OFFLINE"] = "1"
-    done = subprocess.run(
-        [str(BIN / "mergekit-yaml"), str(path), str(tmp_path / "out"), "--quiet"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr
-    assert "Error: parameters.r: Input should be greater than or equal to 0" in (
-        done.stderr
-    )
+    done = mergekit_yaml(path, tmp_path / "out")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    message = "Error: parameters.r: Input should be greater than or equal to 0"
+    assert message in done.stderr
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
@@ -281,18 +279,9 @@ def test_a_template_switched_to_ram_merges_as_stock_does(
     plain.write_text(family_f32.yaml("ram"))
     templated = tmp_path / "templated.yml"
     templated.write_text(family_f32.yaml("ram", **TEMPLATES[template]))
-    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_RAM_AUTOLOAD"}
-    env["HF_HUB_OFFLINE"] = "1"
     runs = {}
     for path in (plain, templated):
-        out = tmp_path / f"out-{path.stem}"
-        runs[path.stem] = subprocess.run(
-            [str(BIN / "mergekit-yaml"), str(path), str(out), "--quiet"],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
+        runs[path.stem] = mergekit_yaml(path, tmp_path / f"out-{path.stem}")
         assert runs[path.stem].returncode == 0, runs[path.stem].stderr
     warned = [
         line
@@ -329,17 +318,6 @@ def test_an_unknown_method_raises_what_mergekit_raises(method, family_f32, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def run_stock(config: Path, out: Path, plugin: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MERGEKIT_RAM_AUTOLOAD"}
-    env.update(HF_HUB_OFFLINE="1", MERGEKIT_RAM_AUTOLOAD="1" if plugin else "0")
-    return subprocess.run(
-        [str(BIN / "mergekit-yaml"), str(config), str(out), "--quiet"],
-        capture_output=True,
-        env=env,
-        timeout=300,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["linear", "ties", "task_arithmetic"])
 def test_other_methods_print_and_write_what_stock_mergekit_does(
@@ -356,7 +334,7 @@ def test_other_methods_print_and_write_what_stock_mergekit_does(
     runs, files = {}, {}
     for plugin in (True, False):
         out = tmp_path / str(plugin) / "merged"
-        runs[plugin] = run_stock(config, out, plugin)
+        runs[plugin] = mergekit_yaml(config, out, plugin)
         assert runs[plugin].returncode == 0, runs[plugin].stderr
         files[plugin] = {
             p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
