@@ -152,22 +152,9 @@ def merge(
 # computes, and logging. The others shape a merge's execution or its output
 # (shards, model card, tokenizer copy, seed, multi-GPU, writer threads).
 ANALYZE_OPTIONS = frozenset(
-    {
-        "allow_crimes",
-        "unsafe_truncate_embeddings",
-        "transformers_cache",
-        "lora_merge_cache",
-        "lora_merge_dtype",
-        "trust_remote_code",
-        "lazy_unpickle",
-        "cuda",
-        "device",
-        "low_cpu_memory",
-        "read_to_gpu",
-        "num_threads",
-        "verbosity",
-        "quiet",
-    }
+    "allow_crimes unsafe_truncate_embeddings transformers_cache lora_merge_cache "
+    "lora_merge_dtype trust_remote_code lazy_unpickle cuda device low_cpu_memory "
+    "read_to_gpu num_threads verbosity quiet".split()
 )
 
 
