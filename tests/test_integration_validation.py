@@ -179,6 +179,19 @@ def test_valid_family_configs_pass(name, family_f32):
     assert config.model_dump() == before
 
 
+def test_model_paths_with_a_space_and_a_quote_pass(family_f32, tmp_path):
+    """mergekit 0.1.5 cannot write such a path as JSON; the checks need not."""
+    paths = {}
+    for name, path in family_f32.paths.items():
+        (tmp_path / f'{name} "q"').symlink_to(path)
+        paths[name] = str(tmp_path / f'{name} "q"')
+    document = family_f32.config_dict("ramplus", base_model=paths["base"])
+    for entry, name in zip(document["models"], family_f32.tasks):
+        entry["model"] = paths[name]
+    with no_weight_reads():
+        assert not check_config(config_of(document)).warnings
+
+
 def test_slices_with_the_base_pass(family_f32):
     document = family_f32.config_dict("ramplus", parameters={"r": 0.2})
     del document["models"]

@@ -88,8 +88,9 @@ def check_config(
     method = _method(config.merge_method, findings)
     if is_ours(method):
         # What pydantic read, every field present: a written key missing here
-        # is one mergekit drops.
-        read = config.model_dump(mode="json")
+        # is one mergekit drops. (Python mode: mergekit 0.1.5 cannot serialize
+        # a model path holding a space or a quote to JSON.)
+        read = config.model_dump()
         document = read if document is None else document
         ours = next(m for m in METHODS if m.spec.name == method)
         base = document.get("base_model") if isinstance(document, dict) else None
