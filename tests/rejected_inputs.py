@@ -21,22 +21,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import struct
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from string import Template
 from unittest import mock
 
 import torch
 import yaml
 from click.testing import CliRunner
 from conftest import THREE_TASKS, Family, build_family
-from mergekit.io.lazy_tensor_loader import LazyTensorLoader, ShardedTensorIndex
+from mergekit.io.lazy_tensor_loader import LazyTensorLoader
 from mergekit.io.tasks import LoaderCache
 from safetensors.torch import load_file, save_file
 
@@ -48,6 +51,7 @@ ERRORS_PAGE = REPO / "docs" / "errors.md"
 BEGIN = "<!-- rejected-inputs:begin -->"
 END = "<!-- rejected-inputs:end -->"
 REGENERATE = "python tests/rejected_inputs.py --write"
+UP = "model.layers.0.mlp.up_proj.weight"
 
 
 @dataclass(frozen=True)
@@ -57,74 +61,76 @@ class Workspace:
     family: Family
     root: Path
 
+    def names(self) -> dict[str, str]:
+        """$base, $alpha, … and $models (the family's folder) for a case's YAML."""
+        return {**self.family.paths, "models": str(self.family.root)}
+
     def config(self, **changes) -> dict:
-        """The family's three-task ramplus config with top-level keys changed."""
-        config = self.family.config_dict("ramplus")
-        config.update(changes)
+        """The family's three-task ramplus config with top-level keys changed
+        (None: removed)."""
+        config = {**self.family.config_dict("ramplus"), **changes}
         return {key: value for key, value in config.items() if value is not None}
 
-    def models(self, *entries: str | dict) -> list[dict]:
-        """A models: list; a str is a family member, a dict is used as is."""
-        return [
-            {"model": self.family.paths[e]} if isinstance(e, str) else e
-            for e in entries
-        ]
+    def pair(self, path: str) -> dict:
+        """The config merging alpha and the model at `path`."""
+        return self.config(
+            models=[{"model": self.family.paths["alpha"]}, {"model": path}]
+        )
 
-    def task(self, name: str, **parameters) -> dict:
-        """A models: entry for a family member with its own parameters."""
-        return {"model": self.family.paths[name], "parameters": parameters}
-
-    def altered(
-        self, name: str, copy: str, change: Callable[[dict[str, torch.Tensor]], None]
-    ) -> str:
-        """A copy of family model `name` as ./copy, its tensors edited by `change`."""
+    def copy(self, name: str, copy: str) -> Path:
+        """Family model `name` copied to ./copy (once)."""
         path = self.root / copy
-        shutil.copytree(self.family.paths[name], path, dirs_exist_ok=True)
-        weights = str(path / "model.safetensors")
+        if not path.exists():
+            shutil.copytree(self.family.paths[name], path)
+        return path
+
+    def altered(self, copy: str, change: Callable[[dict], None]) -> str:
+        """A copy of beta as ./copy, its tensors edited by `change`."""
+        weights = self.copy("beta", copy) / "model.safetensors"
         state = load_file(weights)
         change(state)
         save_file(state, weights, metadata={"format": "pt"})
+        return str(weights.parent)
+
+    def replaced(self, copy: str, file: str, make: Callable[[Path], None]) -> str:
+        """A copy of beta as ./copy whose `file` is removed and made anew by make."""
+        path = self.root / copy
+        if not path.exists():
+            self.copy("beta", copy)
+            (path / file).unlink()
+            make(path / file)
         return str(path)
 
     def directory(self, name: str, *files: str) -> str:
         """A scratch directory holding empty files with these names."""
-        path = self.root / name
-        path.mkdir(exist_ok=True)
+        (self.root / name).mkdir(exist_ok=True)
         for file in files:
-            (path / file).touch()
-        return str(path)
-
-    def hub_cache(self, repo: str) -> str:
-        """`repo`, with one snapshot of it in a Hugging Face cache under ./hf."""
-        folder = self.root / "hf" / f"models--{repo.replace('/', '--')}"
-        (folder / "refs").mkdir(parents=True, exist_ok=True)
-        (folder / "refs" / "main").write_text("0" * 40)
-        snapshot = folder / "snapshots" / ("0" * 40)
-        snapshot.mkdir(parents=True, exist_ok=True)
-        (snapshot / "config.json").write_text("{}")
-        return repo
+            (self.root / name / file).touch()
+        return str(self.root / name)
 
 
 @dataclass(frozen=True)
 class Case:
     """One refused input.
 
-    config: the YAML document (a dict) or its text, built in the workspace.
+    config: top-level keys as YAML (with $base, $alpha, … $models), or a
+    function of the workspace giving the document (a dict) or its text.
     expect: fragments the message must contain (the key or model, the fix).
     stage: "config" cases must be refused before mergekit plans (no
     checkpoint opened), "plan" ones on mergekit's plan (no tensor read);
     "merge" cases are found while merging.
     kind: "error" (exit 2) or "warning" (one log line per key; the merge runs).
+    out: merge's OUT argument, as YAML names (default: out-<id>).
     """
 
     id: str
     input: str
-    config: Callable[[Workspace], dict | str]
+    config: str | Callable[[Workspace], dict | str]
     expect: tuple[str, ...]
     command: str = "merge"
     args: tuple[str, ...] = ()
     stage: str = "config"
-    out: str | None = None  # merge's OUT argument (default: out-<id>)
+    out: str | None = None
     kind: str = "error"
 
 
@@ -137,16 +143,9 @@ class Outcome:
     message: str
 
 
-def _filter(value_mlp, value_rest) -> list[dict]:
-    return [{"filter": "mlp", "value": value_mlp}, {"value": value_rest}]
-
-
-def _nan(state: dict[str, torch.Tensor]) -> None:
-    state["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
-
-
-def _without_lm_head(state: dict[str, torch.Tensor]) -> None:
-    del state["lm_head.weight"]
+def _slices(names: tuple[str, ...], layers: list[int], base: str = "") -> str:
+    sources = ", ".join(f"{{model: ${n}, layer_range: {layers}}}" for n in names)
+    return f"models: null\nslices: [{{sources: [{sources}]{base}}}]"
 
 
 def _linked(ws: Workspace, name: str) -> str:
@@ -158,38 +157,22 @@ def _linked(ws: Workspace, name: str) -> str:
 
 
 def _loop(ws: Workspace) -> str:
-    """./loop, a symlink to itself."""
     link = ws.root / "loop"
     if not link.is_symlink():
         link.symlink_to(link)
     return "./loop"
 
 
-def _with_file(ws: Workspace, name: str, config: dict) -> dict:
-    """config, with a file ./name in the scratch directory."""
+def _with_file(ws: Workspace, name: str) -> dict:
     (ws.root / name).write_text("a file")
-    return config
+    return ws.config()
 
 
-def _truncated(ws: Workspace, name: str, copy: str) -> str:
-    """A copy of family model `name` as ./copy with its weights cut short."""
-    path = ws.altered(name, copy, lambda state: None)
-    weights = Path(path) / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-64])
-    return path
-
-
-def _weights_replaced(
-    ws: Workspace, name: str, copy: str, make: Callable[[Path], None]
-) -> str:
-    """A copy of family model `name` as ./copy whose model.safetensors is
-    removed and then made anew by `make(path)`."""
-    path = ws.root / copy
-    if not path.exists():
-        shutil.copytree(ws.family.paths[name], path)
-        (path / "model.safetensors").unlink()
-        make(path / "model.safetensors")
-    return str(path)
+def _bytes_edited(ws: Workspace, copy: str, edit: Callable[[bytes], bytes]) -> dict:
+    """alpha and a copy of beta whose model.safetensors bytes are edited."""
+    weights = ws.copy("beta", copy) / "model.safetensors"
+    weights.write_bytes(edit(weights.read_bytes()))
+    return ws.pair(str(weights.parent))
 
 
 def _overlapping(path: Path) -> None:
@@ -203,33 +186,95 @@ def _overlapping(path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(12))
 
 
-def _float8(state: dict[str, torch.Tensor]) -> None:
-    name = "model.layers.0.mlp.up_proj.weight"
-    state[name] = state[name].to(torch.float8_e4m3fn)
+def _fifo(ws: Workspace, file: str) -> dict:
+    """beta with `file` a named pipe. Opening it would block: a watchdog
+    opens its other end after 30 s so that a regression fails, not hangs."""
+
+    def make(pipe: Path) -> None:
+        os.mkfifo(pipe)
+
+        def unblock() -> None:
+            try:
+                os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # nobody blocked on it
+
+        watchdog = threading.Timer(30, unblock)
+        watchdog.daemon = True
+        watchdog.start()
+
+    return ws.pair(ws.replaced(f"fifo-{file}", file, make))
 
 
-def _bad_config_json(ws: Workspace) -> str:
-    path = ws.root / "bad-config"
-    if not path.exists():
-        shutil.copytree(ws.family.paths["beta"], path)
-        (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
-    return str(path)
+class Evil:
+    """A pickle that runs a command when loaded."""
+
+    def __reduce__(self):
+        return (os.system, ("echo owned",))
 
 
-def _slices(ws: Workspace, layer_range: list[int]) -> list[dict]:
-    return [
-        {
-            "sources": [
-                {"model": ws.family.paths[name], "layer_range": layer_range}
-                for name in ("base", "alpha", "beta")
-            ]
+def _evil_pickle(ws: Workspace) -> dict:
+    def make(weights: Path) -> None:
+        with open(weights.with_name("pytorch_model.bin"), "wb") as handle:
+            pickle.dump({"x": Evil()}, handle, protocol=2)
+
+    return ws.pair(ws.replaced("pickled", "model.safetensors", make))
+
+
+def _sharded(ws: Workspace) -> dict:
+    """beta in two shards, the second missing."""
+    path = ws.copy("beta", "sharded")
+    if (path / "model.safetensors").exists():
+        state = load_file(path / "model.safetensors")
+        names = sorted(state)
+        save_file({k: state[k] for k in names[:10]}, path / "model-1.safetensors")
+        weight_map = {
+            k: f"model-{1 + (i >= 10)}.safetensors" for i, k in enumerate(names)
         }
-    ]
+        index = {"metadata": {}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        (path / "model.safetensors").unlink()
+    return ws.pair(str(path))
+
+
+def _shard_in_out(ws: Workspace) -> dict:
+    """gamma whose index names its shard in ./previous, a folder mergekit wrote."""
+    out = ws.root / "previous"
+    out.mkdir(exist_ok=True)
+    (out / "mergekit_config.yml").write_text("a previous merge")
+    shutil.copy(Path(ws.family.paths["gamma"]) / "model.safetensors", out / "shard.st")
+    task = ws.replaced("indexed", "model.safetensors", lambda path: None)
+    names = load_file(out / "shard.st").keys()
+    index = {"weight_map": dict.fromkeys(names, "../previous/shard.st")}
+    Path(task, "model.safetensors.index.json").write_text(json.dumps(index))
+    return ws.pair(task)
+
+
+def _bad_config_json(ws: Workspace) -> dict:
+    path = ws.copy("beta", "bad-config")
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    return ws.pair(str(path))
+
+
+def _nan(state: dict[str, torch.Tensor]) -> None:
+    state[UP].view(-1)[0] = float("nan")
+
+
+def _float8(state: dict[str, torch.Tensor]) -> None:
+    state[UP] = state[UP].to(torch.float8_e4m3fn)
+
+
+def _narrow(state: dict[str, torch.Tensor]) -> None:
+    state[UP] = state[UP][:, :16].contiguous()
 
 
 def _extra_token(state: dict[str, torch.Tensor]) -> None:
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         state[name] = torch.cat([state[name], state[name][:1]])
+
+
+def _filter(mlp: str, rest: str) -> str:
+    return f"[{{filter: mlp, value: {mlp}}}, {{value: {rest}}}]"
 
 
 CASES: tuple[Case, ...] = (
@@ -238,74 +283,62 @@ CASES: tuple[Case, ...] = (
         "yaml-syntax",
         "YAML with a broken indentation",
         lambda ws: "merge_method: ramplus\nmodels:\n  - model: a\n   - model: b\n",
-        ("line 4", "Fix the syntax"),
+        ("not valid YAML at line 4", "expected <block end>"),
     ),
     Case(
         "schema-missing-key",
         "a model entry without `model:` (typo `modle:`)",
-        lambda ws: ws.config(models=[{"modle": ws.family.paths["alpha"]}]),
-        ("models[0].model is required",),
+        "models: [{modle: $alpha}]",
+        ("models[0].model: Field required",),
     ),
     Case(
         "schema-many-problems",
         "40 model entries without `model:`",
         lambda ws: ws.config(models=[{"modle": f"m{i}"} for i in range(40)]),
-        ("models[4].model is required", "and 35 more problem(s)"),
+        ("models[4].model: Field required", "and 35 more"),
     ),
     Case(
         "schema-bad-value",
         "`r: null`",
-        lambda ws: ws.config(parameters={"r": None}),
-        ("parameters.r: null is not a valid value",),
+        "parameters: {r: null}",
+        ("parameters.r.float: Input should be a valid number",),
     ),
     Case(
         "schema-models-and-slices",
         "both `models:` and `slices:`",
-        lambda ws: {
-            **ws.config(),
-            "slices": [{"sources": [{"model": "x", "layer_range": [0, 2]}]}],
-        },
+        "slices: [{sources: [{model: x, layer_range: [0, 2]}]}]",
         ("Exactly one of 'models', 'slices', or 'modules'",),
     ),
     # ---- keys mergekit would silently drop, methods it does not know
     Case(
         "key-typo-top-level",
         "`paramters: {r: 0.5}` (a typo at the top level)",
-        lambda ws: {**ws.config(), "paramters": {"r": 0.5}},
+        "paramters: {r: 0.5}",
         ("paramters:", "would ignore it", "Did you mean 'parameters'?"),
     ),
     Case(
         "parameter-at-top-level",
         "`r: 0.5` at the top level, not under `parameters:`",
-        lambda ws: {**ws.config(), "r": 0.5},
+        "r: 0.5",
         ("r: mergekit does not read 'r' here", "write it under parameters"),
     ),
     Case(
         "parameter-on-a-model-entry",
         "`unique_scale: 3` directly on a model entry",
-        lambda ws: ws.config(
-            models=[{"model": ws.family.paths["alpha"], "unique_scale": 3}]
-            + ws.models("beta")
-        ),
+        "models: [{model: $alpha, unique_scale: 3}, {model: $beta}]",
         ("models[0].unique_scale", "write it under models[0].parameters"),
     ),
     Case(
         "parameter-singular-under-a-model",
         "`parameter:` (singular) under a model",
-        lambda ws: ws.config(
-            models=[{"model": ws.family.paths["alpha"], "parameter": {"r": 1}}]
-            + ws.models("beta")
-        ),
+        "models: [{model: $alpha, parameter: {r: 1}}, {model: $beta}]",
         ("models[0].parameter", "Did you mean 'parameters'?"),
     ),
     Case(
         "two-mistakes-in-one-file",
         "two mistakes and a key RAM ignores in one file (`alpah`, a negative "
         "`r`, `dtyp`)",
-        lambda ws: {
-            **ws.config(parameters={"r": -1, "alpah": 1.0}),
-            "dtyp": "bfloat16",
-        },
+        "parameters: {r: -1, alpah: 1.0}\ndtyp: bfloat16",
         (
             "has 2 problems (and warnings)",
             "Did you mean 'alpha'?",
@@ -316,13 +349,13 @@ CASES: tuple[Case, ...] = (
     Case(
         "two-mistakes-and-a-misspelled-method",
         "`merge_method: rammplus` and a negative `r` in one file",
-        lambda ws: ws.config(merge_method="rammplus", parameters={"r": -1}),
+        "merge_method: rammplus\nparameters: {r: -1}",
         ("has 2 problems", "Did you mean 'ramplus'?", "parameters.r: Input should"),
     ),
     Case(
         "key-no-method-reads",
         "`dtyp: bfloat16` (a key mergekit does not read, no RAM key)",
-        lambda ws: {**ws.config(), "dtyp": "bfloat16"},
+        "dtyp: bfloat16",
         ("dtyp: mergekit does not read 'dtyp' here", "did you mean 'dtype'?"),
         kind="warning",
     ),
@@ -330,7 +363,7 @@ CASES: tuple[Case, ...] = (
         "yaml-duplicate-key",
         "a key written twice (`parameters:` twice at the top level)",
         lambda ws: (
-            yaml.safe_dump(ws.config(parameters={"r": 0.5}), sort_keys=False)
+            yaml.safe_dump(ws.config(parameters={"r": 0.5}))
             + "parameters: {alpha: 1.0}\n"
         ),
         ("the key 'parameters' is written twice", "Write it once"),
@@ -339,19 +372,19 @@ CASES: tuple[Case, ...] = (
         "yaml-control-character",
         "a control character in the file",
         lambda ws: "merge_method: ramplus\x08\n",
-        ("control character '\\x08'", "Remove it"),
+        ("not valid YAML", "unacceptable character #x0008"),
     ),
     Case(
         "yaml-method-not-text",
         "`merge_method: [ramplus]` (a list)",
-        lambda ws: ws.config(merge_method=["ramplus"]),
+        "merge_method: [ramplus]",
         ("merge_method", "valid string"),
     ),
     *(
         Case(
             f"method-{slug}",
             f"`merge_method: {method}`",
-            lambda ws, method=method: ws.config(merge_method=method),
+            f"merge_method: {method}",
             (f"'{method}' is not a merge method", f"Did you mean '{meant}'?"),
         )
         for slug, method, meant in (
@@ -365,358 +398,386 @@ CASES: tuple[Case, ...] = (
     Case(
         "slice-base-differs",
         "a slice's own `base_model:`, another model than the configuration's",
-        lambda ws: {
-            **ws.config(models=None),
-            "slices": [
-                {
-                    "sources": [
-                        {"model": ws.family.paths[name], "layer_range": [0, 2]}
-                        for name in ("base", *ws.family.tasks)
-                    ],
-                    "base_model": ws.family.paths["alpha"],
-                }
-            ],
-        },
+        _slices(("base", "alpha", "beta", "gamma"), [0, 2], ", base_model: $alpha"),
         ("slices[0]: its base model", "remove that slice's base_model"),
     ),
     Case(
         "no-base",
         "no `base_model:`",
-        lambda ws: ws.config(base_model=None),
+        "base_model: null",
         ("needs a base_model", "Add 'base_model: path/to/base'"),
     ),
     Case(
         "base-only",
         "only the base model under `models:`",
-        lambda ws: ws.config(models=ws.models("base")),
+        "models: [{model: $base}]",
         ("at least one task model", "list the fine-tuned models"),
     ),
     Case(
         "duplicate-model",
         "the same task model listed twice",
-        lambda ws: ws.config(models=ws.models("alpha", "beta", "alpha")),
+        "models: [{model: $alpha}, {model: $beta}, {model: $alpha}]",
         ("models[2]", "already listed as models[0]", "List each model once"),
     ),
     Case(
         "slice-without-base",
         "a slice whose sources lack the base model",
-        lambda ws: ws.config(
-            models=None,
-            slices=[
-                {
-                    "sources": [
-                        {"model": ws.family.paths[name], "layer_range": [0, 2]}
-                        for name in ("alpha", "beta")
-                    ]
-                }
-            ],
-        ),
+        _slices(("alpha", "beta"), [0, 2]),
         ("slices[0]", "add it as a source"),
     ),
     # ---- model paths
     Case(
         "missing-path",
         "a base model path that does not exist",
-        lambda ws: ws.config(base_model=str(ws.family.root / "missing")),
+        "base_model: $models/missing",
         ("base_model", "MODELS/missing does not exist", "Fix the path"),
     ),
     Case(
         "missing-relative-path",
         "a relative task model path that does not exist",
-        lambda ws: ws.config(models=ws.models("alpha", {"model": "./beta"})),
+        "models: [{model: $alpha}, {model: ./beta}]",
         ("models[1].model", "./beta does not exist", "current directory, CWD"),
     ),
     Case(
         "path-is-a-file",
         "a file where a model directory belongs",
-        lambda ws: ws.config(base_model=str(ws.family.root / "base" / "config.json")),
+        "base_model: $base/config.json",
         ("base_model", "is a file", "model's directory"),
     ),
     Case(
         "no-weights",
         "a model directory without weights",
-        lambda ws: ws.config(
-            models=ws.models("alpha", {"model": ws.directory("empty", "config.json")})
-        ),
+        lambda ws: ws.pair(ws.directory("empty", "config.json")),
         ("models[1].model", "has no weights", "model.safetensors"),
     ),
     Case(
         "lora-as-model",
         "a LoRA adapter directory given as a model",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha",
-                {"model": ws.directory("adapter", "adapter_config.json")},
-            )
-        ),
+        lambda ws: ws.pair(ws.directory("adapter", "adapter_config.json")),
         ("has no weights", "LoRA adapter", "BASE+"),
     ),
     Case(
         "no-config-json",
         "a model directory without config.json",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha", {"model": ws.directory("weights-only", "model.safetensors")}
-            )
-        ),
+        lambda ws: ws.pair(ws.directory("weights-only", "model.safetensors")),
         ("models[1].model", "has no config.json", "save_pretrained"),
     ),
     Case(
         "missing-tokenizer-source",
         "a `tokenizer_source:` path that does not exist",
-        lambda ws: ws.config(tokenizer_source="./tokenizer"),
+        "tokenizer_source: ./tokenizer",
         ("tokenizer_source", "does not exist"),
     ),
     Case(
         "same-model-two-spellings",
         "one model twice: its path, and `./alpha-link`, a symlink to it",
         lambda ws: ws.config(
-            models=ws.models("alpha", "beta", {"model": _linked(ws, "alpha")})
+            models=[{"model": ws.family.paths[n]} for n in ("alpha", "beta")]
+            + [{"model": _linked(ws, "alpha")}]
         ),
         ("models[2]", "same folder as", "List each model once"),
     ),
     Case(
+        "same-model-with-dot-dot",
+        "one model twice: its path, and the same path through `..`",
+        "models: [{model: $alpha}, {model: $beta}, {model: $beta/../alpha}]",
+        ("models[2]", "same folder as models[0]"),
+    ),
+    Case(
+        "base-as-a-task-model",
+        "the base model again under `models:`, through a symlink",
+        lambda ws: ws.pair(_linked(ws, "base")),
+        ("models[1]", "same folder as base_model"),
+    ),
+    Case(
+        "model-in-a-symlink-loop",
+        "a model path that is a symlink to itself",
+        lambda ws: ws.pair(_loop(ws)),
+        ("./loop is (or lies under) a symlink loop", "Fix the path"),
+    ),
+    Case(
+        "invalid-config-json",
+        "a task model whose config.json is not valid JSON",
+        _bad_config_json,
+        ("models[1].model", "config.json is not valid JSON"),
+    ),
+    Case(
+        "slice-out-of-range",
+        "a slice `layer_range: [0, 5]` of 2-layer models",
+        _slices(("base", "alpha", "beta"), [0, 5]),
+        ("slices[0].sources[0].layer_range", "has 2 layers", "0 ≤ start < end ≤ 2"),
+    ),
+    # ---- checkpoints, from their headers
+    Case(
         "truncated-safetensors",
         "a task model whose model.safetensors is cut short",
-        lambda ws: ws.config(
-            models=ws.models("alpha", {"model": _truncated(ws, "beta", "cut-beta")})
+        lambda ws: _bytes_edited(ws, "cut", lambda data: data[:-64]),
+        ("CWD/cut", "not a valid safetensors file", "not fully covered"),
+    ),
+    Case(
+        "corrupt-header",
+        "a model.safetensors whose header is not UTF-8",
+        lambda ws: _bytes_edited(ws, "corrupt", lambda d: d[:8] + b"\xff\xfe" + d[10:]),
+        ("CWD/corrupt", "not a valid safetensors file", "invalid UTF-8"),
+    ),
+    Case(
+        "huge-header",
+        "a model.safetensors whose header length is 1 TiB",
+        lambda ws: _bytes_edited(
+            ws, "huge", lambda d: (2**40).to_bytes(8, "little") + d[8:]
         ),
-        ("CWD/cut-beta", "not a valid safetensors file", "not fully covered"),
+        ("CWD/huge", "header too large"),
     ),
     Case(
         "overlapping-tensors",
         "a model.safetensors whose tensors overlap",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha",
-                {"model": _weights_replaced(ws, "beta", "overlap", _overlapping)},
-            )
-        ),
+        lambda ws: ws.pair(ws.replaced("overlap", "model.safetensors", _overlapping)),
         ("CWD/overlap", "not a valid safetensors file", "invalid offset"),
     ),
     Case(
         "weights-folder",
         "a folder named model.safetensors",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha",
-                {"model": _weights_replaced(ws, "beta", "folder", Path.mkdir)},
-            )
-        ),
+        lambda ws: ws.pair(ws.replaced("folder", "model.safetensors", Path.mkdir)),
         ("CWD/folder", "model.safetensors is a folder, where a regular file belongs"),
     ),
     Case(
         "dangling-weights-link",
         "a model.safetensors symlink to a file that is gone",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha",
-                {
-                    "model": _weights_replaced(
-                        ws,
-                        "beta",
-                        "dangling",
-                        lambda p: p.symlink_to(p.parent / "gone"),
-                    )
-                },
+        lambda ws: ws.pair(
+            ws.replaced(
+                "dangling",
+                "model.safetensors",
+                lambda p: p.symlink_to(p.parent / "gone"),
             )
         ),
         ("CWD/dangling", "model.safetensors is a symlink to", "does not exist"),
     ),
-    Case(
-        "model-in-a-symlink-loop",
-        "a model path that is a symlink to itself",
-        lambda ws: ws.config(models=ws.models("alpha", {"model": _loop(ws)})),
-        ("./loop is (or lies under) a symlink loop", "Fix the path"),
+    *(
+        Case(
+            f"named-pipe-{file}",
+            f"a named pipe as {file}",
+            lambda ws, file=file: _fifo(ws, file),
+            (f"{file} is a named pipe (FIFO)",),
+        )
+        for file in ("model.safetensors", "config.json")
     ),
+    Case(
+        "missing-shard",
+        "a sharded task model whose second shard is missing",
+        _sharded,
+        ("CWD/sharded", "names the shard model-2.safetensors, which is missing"),
+    ),
+    Case(
+        "unsafe-pickle",
+        "a pytorch_model.bin that runs code when unpickled",
+        _evil_pickle,
+        ("CWD/pickled", "weights-only", "safetensors"),
+    ),
+    Case(
+        "float8-weights",
+        "a task model with one float8 (F8_E4M3) tensor",
+        lambda ws: ws.pair(ws.altered("fp8", _float8)),
+        (UP, "CWD/fp8", "F8_E4M3", "torch has no arithmetic", "bfloat16"),
+    ),
+    Case(
+        "missing-lm-head",
+        "a task model without the base's untied `lm_head.weight`",
+        lambda ws: ws.pair(ws.altered("headless", lambda s: s.pop("lm_head.weight"))),
+        ("lm_head.weight", "CWD/headless", "embed_tokens"),
+    ),
+    Case(
+        "shape-mismatch",
+        "a task model with a narrower up_proj",
+        lambda ws: ws.pair(ws.altered("narrow", _narrow)),
+        (UP, "(64, 16) in model CWD/narrow"),
+    ),
+    # ---- folders the merge writes
     Case(
         "empty-output-path",
         'an empty output path (`"$OUTDIR"` unset)',
-        lambda ws: ws.config(),
+        "{}",
         ("output folder path is empty", "Name the folder"),
         out="",
     ),
     Case(
         "output-under-a-file",
         "an output path under a file",
-        lambda ws: _with_file(ws, "notes.txt", ws.config()),
+        lambda ws: _with_file(ws, "notes.txt"),
         ("notes.txt/merged", "which is a file", "Choose a folder"),
         out="notes.txt/merged",
     ),
     Case(
         "report-under-a-file",
         "`--report` under a file",
-        lambda ws: _with_file(ws, "notes.txt", ws.config()),
+        lambda ws: _with_file(ws, "notes.txt"),
         ("report folder notes.txt/report", "which is a file"),
         args=("--report", "notes.txt/report"),
     ),
     Case(
-        "float8-weights",
-        "a task model with one float8 (F8_E4M3) tensor",
-        lambda ws: ws.config(
-            models=ws.models("alpha", {"model": ws.altered("beta", "fp8", _float8)})
-        ),
-        ("model.layers.0.mlp.up_proj.weight", "CWD/fp8", "F8_E4M3", "bfloat16"),
+        "output-is-an-input",
+        "OUT the `tokenizer_source:` folder",
+        lambda ws: ws.config(tokenizer_source=str(ws.copy("alpha", "tok"))),
+        ("output folder tok is the input tokenizer_source", "Choose another"),
+        out="tok",
     ),
     Case(
-        "invalid-config-json",
-        "a task model whose config.json is not valid JSON",
-        lambda ws: ws.config(
-            models=ws.models("alpha", {"model": _bad_config_json(ws)})
-        ),
-        ("models[1].model", "config.json is not valid JSON"),
+        "output-inside-an-input",
+        "OUT inside a task model's folder",
+        "{}",
+        ("MODELS/beta/merged lies inside the input model MODELS/beta",),
+        out="$beta/merged",
     ),
     Case(
-        "slice-out-of-range",
-        "a slice `layer_range: [0, 5]` of 2-layer models",
-        lambda ws: ws.config(models=None, slices=_slices(ws, [0, 5])),
-        ("slices[0].sources[0].layer_range", "has 2 layers", "0 ≤ start < end ≤ 2"),
+        "input-inside-output",
+        "a task model inside OUT",
+        lambda ws: ws.pair(str(ws.copy("gamma", "holder/gamma"))),
+        ("input model CWD/holder/gamma lies inside the output folder holder",),
+        out="holder",
     ),
     Case(
-        "missing-lm-head",
-        "a task model without the base's untied `lm_head.weight`",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha", {"model": ws.altered("beta", "headless", _without_lm_head)}
-            )
-        ),
-        ("lm_head.weight", "CWD/headless", "embed_tokens"),
+        "input-reads-from-output",
+        "a task model whose index names a shard inside OUT",
+        _shard_in_out,
+        ("reads ../previous/shard.st", "inside the output folder previous"),
+        out="previous",
     ),
     # ---- parameter names
     Case(
         "rescale-factor",
         "`rescale_factor: 1.2` (the authors' flag)",
-        lambda ws: ws.config(parameters={"rescale_factor": 1.2}),
+        "parameters: {rescale_factor: 1.2}",
         ("parameters.rescale_factor", "r: R − 1", "alpha: 1", "saturation: soft"),
     ),
     Case(
         "misspelled-parameter",
         "`alpah: 1.0`",
-        lambda ws: ws.config(parameters={"alpah": 1.0}),
+        "parameters: {alpah: 1.0}",
         ("parameters.alpah", "Did you mean 'alpha'?"),
     ),
     Case(
         "other-method-parameter",
         "`weight: 0.5` on a task model (a linear or TIES template)",
-        lambda ws: ws.config(models=[ws.task("alpha", weight=0.5)]),
+        "models: [{model: $alpha, parameters: {weight: 0.5}}]",
         ("models[0].parameters.weight", "does not use 'weight'", "ignored"),
         kind="warning",
     ),
     Case(
         "other-method-parameter-top-level",
         "`normalize: true`, `int8_mask: true`, `lambda: 1` (a TIES template)",
-        lambda ws: ws.config(
-            parameters={"normalize": True, "int8_mask": True, "lambda": 1.0}
-        ),
+        "parameters: {normalize: true, int8_mask: true, lambda: 1.0}",
         ("parameters.normalize", "parameters.int8_mask", "parameters.lambda"),
         kind="warning",
     ),
     Case(
         "no-method-has-the-parameter",
         "`frobnicate: 2` under `parameters:` (no method's, no RAM near miss)",
-        lambda ws: ws.config(parameters={"frobnicate": 2}),
+        "parameters: {frobnicate: 2}",
         ("parameters.frobnicate", "no mergekit method has a parameter"),
         kind="warning",
     ),
     Case(
         "other-method-per-model-parameter",
         "`epsilon:` under one task model (DELLA's per-model epsilon)",
-        lambda ws: ws.config(models=[ws.task("alpha", epsilon=1e-4)]),
+        "models: [{model: $alpha, parameters: {epsilon: 1.0e-4}}]",
         ("models[0].parameters.epsilon", "della"),
         kind="warning",
     ),
     Case(
         "global-parameter-on-model",
         "`alpha:` under one task model",
-        lambda ws: ws.config(models=[ws.task("alpha", alpha=1.0)]),
+        "models: [{model: $alpha, parameters: {alpha: 1.0}}]",
         ("models[0].parameters.alpha", "top-level parameters"),
     ),
     Case(
         "unique-scale-on-base",
         "`unique_scale:` on the base model listed under `models:`",
-        lambda ws: ws.config(
-            models=[ws.task("base", unique_scale=1.2), *ws.models("alpha")]
-        ),
+        "models: [{model: $base, parameters: {unique_scale: 1.2}}, {model: $alpha}]",
         ("models[0].parameters.unique_scale", "base model", "Remove it"),
+    ),
+    Case(
+        "shared-under-model",
+        "`shared` under one model",
+        "models: [{model: $alpha, parameters: {shared: ties}}, {model: $beta}]",
+        ("models[0].parameters.shared", "top-level parameters"),
     ),
     # ---- parameter values
     Case(
         "negative-r",
         "`r: -0.1`",
-        lambda ws: ws.config(parameters={"r": -0.1}),
+        "parameters: {r: -0.1}",
         ("parameters.r", "greater than or equal to 0", "(got -0.1)"),
     ),
     Case(
         "nan-epsilon",
         "`epsilon: .nan`",
-        lambda ws: ws.config(parameters={"epsilon": float("nan")}),
+        "parameters: {epsilon: .nan}",
         ("parameters.epsilon", "Input should be a finite number", "(got nan)"),
     ),
     Case(
         "infinite-alpha",
         "`alpha: .inf`",
-        lambda ws: ws.config(parameters={"alpha": float("inf")}),
+        "parameters: {alpha: .inf}",
         ("parameters.alpha", "Input should be a finite number", "(got inf)"),
     ),
     Case(
         "empty-list",
         "`r: []`",
-        lambda ws: ws.config(parameters={"r": []}),
+        "parameters: {r: []}",
         ("parameters.r", "empty list", "default"),
     ),
     Case(
         "lambda-overflow",
         "`r: 1e308` (λ beyond what the output can hold)",
-        lambda ws: ws.config(parameters={"r": 1e308}),
+        "parameters: {r: 1.0e+308}",
         ("r = 1e+308", "±Inf", "out_dtype"),
         stage="plan",
     ),
     Case(
         "text-unique-scale",
         "`unique_scale: high` on a task model",
-        lambda ws: ws.config(models=[ws.task("alpha", unique_scale="high")]),
+        "models: [{model: $alpha, parameters: {unique_scale: high}}]",
         ("models[0].parameters.unique_scale", "Input should be a valid number"),
     ),
     Case(
         "boolean-r",
         "`r: true`",
-        lambda ws: ws.config(parameters={"r": True}),
+        "parameters: {r: true}",
         ("parameters.r", "is not a number"),
     ),
     Case(
         "negative-in-filter",
         "a negative `alpha` inside a filter",
-        lambda ws: ws.config(parameters={"alpha": _filter(-1.0, 2.0)}),
+        f"parameters: {{alpha: {_filter('-1.0', '2.0')}}}",
         ("parameters.alpha", "greater than or equal to 0", "(got -1.0)"),
     ),
     Case(
         "unknown-saturation",
         "`saturation: hard`",
-        lambda ws: ws.config(parameters={"saturation": "hard"}),
+        "parameters: {saturation: hard}",
         ("parameters.saturation", "Input should be 'clip' or 'soft'"),
     ),
     Case(
         "unknown-statistics",
         "`statistics: model`",
-        lambda ws: ws.config(parameters={"statistics": "model"}),
+        "parameters: {statistics: model}",
         ("parameters.statistics", "Input should be 'global' or 'tensor'"),
     ),
     Case(
         "unknown-shared",
         "`shared: median`",
-        lambda ws: ws.config(parameters={"shared": "median"}),
+        "parameters: {shared: median}",
         ("parameters.shared", "Input should be 'mean', 'ties' or 'base'"),
     ),
     Case(
         "density-above-one",
         "`density: 1.5` with `shared: ties`",
-        lambda ws: ws.config(parameters={"shared": "ties", "density": 1.5}),
+        "parameters: {shared: ties, density: 1.5}",
         ("parameters.density", "Input should be less than or equal to 1"),
     ),
     Case(
         "density-without-ties",
         "`density` without `shared: ties`",
-        lambda ws: ws.config(parameters={"density": 0.2}),
+        "parameters: {density: 0.2}",
         ("parameters.density", "only applies with shared: ties", "is ignored"),
         stage="plan",
         kind="warning",
@@ -724,7 +785,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "alpha-with-the-soft-rule",
         "`alpha` with `saturation: soft` (the soft rule has no alpha)",
-        lambda ws: ws.config(parameters={"saturation": "soft", "alpha": 5.0}),
+        "parameters: {saturation: soft, alpha: 5.0}",
         ("parameters.alpha", "only applies with saturation: clip", "remove alpha"),
         stage="plan",
     ),
@@ -732,10 +793,8 @@ CASES: tuple[Case, ...] = (
         "density-and-alpha-both-ignored",
         "`density` without ties, `alpha` with the soft rule and a model's "
         "`weight`, in one file",
-        lambda ws: ws.config(
-            parameters={"saturation": "soft", "alpha": 5.0, "density": 0.2},
-            models=[ws.task("alpha", weight=1.0)],
-        ),
+        "parameters: {saturation: soft, alpha: 5.0, density: 0.2}\n"
+        "models: [{model: $alpha, parameters: {weight: 1.0}}]",
         (
             "has 1 problem (and warnings)",
             "alpha only applies",
@@ -744,67 +803,53 @@ CASES: tuple[Case, ...] = (
         ),
         stage="plan",
     ),
-    Case(
-        "shared-under-model",
-        "`shared` under one model",
-        lambda ws: ws.config(
-            models=[ws.task("alpha", shared="ties"), *ws.models("beta", "gamma")]
-        ),
-        ("models[0].parameters.shared", "top-level parameters"),
-    ),
     # ---- one value where whole-model statistics need one
     Case(
         "epsilon-filter-global",
         "a per-tensor filter on `epsilon` with global statistics",
-        lambda ws: ws.config(parameters={"epsilon": _filter(1e-4, 1e-5)}),
+        f"parameters: {{epsilon: {_filter('1.0e-4', '1.0e-5')}}}",
         ("'epsilon'", "remove the per-tensor filter", "statistics: tensor"),
         stage="plan",
     ),
     Case(
         "r-gradient-global",
         "a gradient `r: [0.1, 0.3]` with global statistics",
-        lambda ws: ws.config(parameters={"r": [0.1, 0.3]}),
+        "parameters: {r: [0.1, 0.3]}",
         ("'r'", "is 0.1 for tensor", "statistics: tensor"),
         stage="plan",
     ),
     Case(
         "unique-scale-gradient",
         "a gradient `unique_scale: [1.0, 1.2]` on a task model",
-        lambda ws: ws.config(models=[ws.task("alpha", unique_scale=[1.0, 1.2])]),
+        "models: [{model: $alpha, parameters: {unique_scale: [1.0, 1.2]}}]",
         ("unique_scale for model MODELS/alpha", "remove its filter or gradient"),
         stage="plan",
     ),
-    # ---- dtypes and devices
+    # ---- dtypes
     Case(
         "dtype-misspelled",
         "`dtype: bf16`",
-        lambda ws: ws.config(dtype="bf16"),
+        "dtype: bf16",
         ("dtype: 'bf16'", "not a dtype mergekit knows", "bfloat16, float16"),
     ),
     Case(
         "out-dtype-not-float",
         "`out_dtype: bool`",
-        lambda ws: ws.config(out_dtype="bool"),
+        "out_dtype: bool",
         ("out_dtype: 'bool'", "bfloat16, float16, float32, float64"),
     ),
     # ---- the tensors, found while merging
     Case(
         "nan-in-tensor",
         "a task model with a NaN in one tensor",
-        lambda ws: ws.config(
-            models=ws.models("alpha", {"model": ws.altered("beta", "nan-beta", _nan)})
-        ),
-        ("model.layers.0.mlp.up_proj.weight", "CWD/nan-beta", "nonfinite: ignore"),
+        lambda ws: ws.pair(ws.altered("nan-beta", _nan)),
+        (UP, "CWD/nan-beta", "nonfinite: ignore"),
         stage="merge",
     ),
     Case(
         "vocabulary-mismatch",
         "a task model with one more token and no `tokenizer_source:`",
-        lambda ws: ws.config(
-            models=ws.models(
-                "alpha", {"model": ws.altered("beta", "wide-beta", _extra_token)}
-            )
-        ),
+        lambda ws: ws.pair(ws.altered("wide-beta", _extra_token)),
         ("(49, 32) in model CWD/wide-beta", "tokenizer_source: union"),
         stage="merge",
     ),
@@ -812,11 +857,8 @@ CASES: tuple[Case, ...] = (
     Case(
         "analyze-no-base",
         "`mergekit-ram analyze` of a TIES config without a base model",
-        lambda ws: ws.config(
-            merge_method="ties",
-            base_model=None,
-            models=[ws.task(t.name, weight=1.0, density=0.5) for t in THREE_TASKS],
-        ),
+        "merge_method: ties\nbase_model: null\n"
+        "models: [{model: $alpha, parameters: {weight: 1.0, density: 0.5}}]",
         ("mergekit-ram analyze needs a base_model",),
         command="analyze",
     ),
@@ -834,7 +876,7 @@ def no_weight_reads(stage: str = "config") -> Iterator[None]:
 
     spies = [(LazyTensorLoader, "get_tensor"), (prefetch, "safetensors_spans")]
     if stage == "config":
-        spies += [(LoaderCache, "get"), (ShardedTensorIndex, "from_disk")]
+        spies.append((LoaderCache, "get"))
     with ExitStack() as stack:
         for owner, name in spies:
             stack.enter_context(mock.patch.object(owner, name, refuse))
@@ -855,25 +897,31 @@ def warnings_logged() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+def document(case: Case, ws: Workspace) -> str:
+    """The case's configuration file's text."""
+    if callable(case.config):
+        config = case.config(ws)
+        return config if isinstance(config, str) else yaml.safe_dump(config)
+    changes = yaml.safe_load(Template(case.config).substitute(ws.names()))
+    return yaml.safe_dump(ws.config(**changes))
+
+
 def run_case(case: Case, ws: Workspace) -> Outcome:
     """Run the case's command from ws.root; the printed error, placeholdered."""
-    config = case.config(ws)
-    text = config if isinstance(config, str) else yaml.safe_dump(config)
     name = f"{case.id}.yml"
-    (ws.root / name).write_text(text, encoding="utf-8")
+    (ws.root / name).write_text(document(case, ws), encoding="utf-8")
     args = [case.command, name]
     if case.command == "merge":
-        args.append(f"out-{case.id}" if case.out is None else case.out)
+        out = f"out-{case.id}" if case.out is None else case.out
+        args.append(Template(out).substitute(ws.names()))
     args += ["--quiet", *case.args]
     previous = os.getcwd()
     os.chdir(ws.root)
     try:
-        with warnings_logged() as warned:
+        with warnings_logged() as warned, ExitStack() as guard:
             if case.stage in ("config", "plan") and case.kind == "error":
-                with no_weight_reads(case.stage):
-                    result = CliRunner().invoke(main, args)
-            else:
-                result = CliRunner().invoke(main, args)
+                guard.enter_context(no_weight_reads(case.stage))
+            result = CliRunner().invoke(main, args)
     finally:
         os.chdir(previous)
     output = placeholders(result.output, ws)
@@ -894,49 +942,37 @@ def placeholders(text: str, ws: Workspace) -> str:
 
 
 def render_table(outcomes: dict[str, Outcome]) -> str:
-    """The markdown table of every case's input and the message it printed."""
+    """The markdown table of every case's input and the message it printed
+    (a | would split a cell, a < start an HTML tag)."""
     rows = ["| Input | Kind | Message |", "|---|---|---|"]
     for case in CASES:
-        message = outcomes[case.id].message
-        rows.append(f"| {_cell(case.input)} | {case.kind} | {_cell(message)} |")
+        cells = (case.input, case.kind, outcomes[case.id].message)
+        cells = [
+            c.replace("|", "\\|").replace("<", "&lt;").replace("\n", "<br>")
+            for c in cells
+        ]
+        rows.append(f"| {' | '.join(cells)} |")
     return "\n".join(rows)
-
-
-def _cell(text: str) -> str:
-    """Table-safe: a | would split the cell, a < would start an HTML tag, a
-    block's lines are shown as lines."""
-    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", "<br>")
 
 
 def errors_block(page: str) -> str:
     """The text between the errors page's rejected-inputs markers."""
-    start = page.index(BEGIN) + len(BEGIN)
-    return page[start : page.index(END)].strip("\n")
-
-
-def with_block(page: str, table: str) -> str:
-    """The errors page with `table` between the rejected-inputs markers."""
-    start = page.index(BEGIN) + len(BEGIN)
-    return f"{page[:start]}\n{table}\n{page[page.index(END) :]}"
-
-
-def make_workspace(root: Path) -> Workspace:
-    family = build_family(root / "models", THREE_TASKS)
-    scratch = root / "work"
-    scratch.mkdir()
-    return Workspace(family, scratch)
+    return page[page.index(BEGIN) + len(BEGIN) : page.index(END)].strip("\n")
 
 
 def main_write(write: bool) -> None:
     """Print the freshly rendered table, or write it into docs/errors.md."""
     with tempfile.TemporaryDirectory() as tmp:
-        ws = make_workspace(Path(tmp))
+        (Path(tmp) / "work").mkdir()
+        family = build_family(Path(tmp) / "models", THREE_TASKS)
+        ws = Workspace(family, Path(tmp) / "work")
         table = render_table({case.id: run_case(case, ws) for case in CASES})
     if not write:
         print(table)
         return
     page = ERRORS_PAGE.read_text(encoding="utf-8")
-    ERRORS_PAGE.write_text(with_block(page, table), encoding="utf-8")
+    old = errors_block(page)
+    ERRORS_PAGE.write_text(page.replace(old, table), encoding="utf-8")
     print(f"docs/errors.md: {len(CASES)} rejected inputs")
 
 

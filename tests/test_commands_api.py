@@ -30,28 +30,18 @@ PROFILES = {
     "layers.0.bias": ((16,), [0.5, 0.1, 0.5]),
     "head.weight": ((8, 16), [0.05, 0.5, 0.5]),
 }
-# (method, parameters) -> keyword arguments of reference.merge
+# (method, parameters); reference.merge takes the parameters, with ramplus's r.
 CONFIGS = [
-    ("ram", {}, {}),
-    ("ramplus", {}, {"r": 0.1}),
-    ("ramplus", {"saturation": "soft"}, {"r": 0.1, "saturation": "soft"}),
-    ("ramplus", {"statistics": "tensor"}, {"r": 0.1, "statistics": "tensor"}),
-    (
-        "ramplus",
-        {"statistics": "tensor", "saturation": "soft"},
-        {"r": 0.1, "statistics": "tensor", "saturation": "soft"},
-    ),
-    ("ramplus", {"r": 0.5, "alpha": 1.0}, {"r": 0.5, "alpha": 1.0}),
-    ("ram", {"r": 0.3, "alpha": 5.0}, {"r": 0.3, "alpha": 5.0}),
-    (
-        "ramplus",
-        {"r": 0.4, "alpha": 5.0, "statistics": "tensor"},
-        {"r": 0.4, "alpha": 5.0, "statistics": "tensor"},
-    ),
+    ("ram", {}),
+    ("ramplus", {}),
+    ("ramplus", {"saturation": "soft"}),
+    ("ramplus", {"statistics": "tensor"}),
+    ("ramplus", {"statistics": "tensor", "saturation": "soft"}),
+    ("ramplus", {"r": 0.5, "alpha": 1.0}),
+    ("ram", {"r": 0.3, "alpha": 5.0}),
+    ("ramplus", {"r": 0.4, "alpha": 5.0, "statistics": "tensor"}),
 ]
-CONFIG_IDS = [
-    f"{m}-" + "-".join(f"{k}={v}" for k, v in p.items()) for m, p, _ in CONFIGS
-]
+CONFIG_IDS = [f"{m}-" + "-".join(f"{k}={v}" for k, v in p.items()) for m, p in CONFIGS]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -99,8 +89,9 @@ def model_set(request):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("method,parameters,ref_kwargs", CONFIGS, ids=CONFIG_IDS)
-def test_merge_tensors_equals_reference(method, parameters, ref_kwargs, dtype):
+@pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
+def test_merge_tensors_equals_reference(method, parameters, dtype):
+    ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
     base, tasks = cast(*sparse_tasks((20, 18), [0.3, 0.5, 0.2], seed=21), dtype)
     out = mergekit_ram.merge_tensors(
         [base, *tasks], method, parameters=parameters, base_index=0
@@ -135,10 +126,9 @@ def test_merge_tensors_ids_and_base_position():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("method,parameters,ref_kwargs", CONFIGS, ids=CONFIG_IDS)
-def test_merge_state_dicts_equals_reference(
-    model_set, method, parameters, ref_kwargs, dtype
-):
+@pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
+def test_merge_state_dicts_equals_reference(model_set, method, parameters, dtype):
+    ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
     base, tasks = model_set
     base = {k: v.to(dtype) for k, v in base.items()}
     tasks = [{k: v.to(dtype) for k, v in t.items()} for t in tasks]
@@ -277,62 +267,28 @@ def test_explicit_unique_scale_in_merge_tensors():
 # --- dtype and out_dtype ------------------------------------------------------------
 
 
-def test_dtype_converts_before_counting(model_set):
+@pytest.mark.parametrize(
+    "inputs,dtype,out_dtype",
+    [
+        (torch.float32, torch.bfloat16, None),  # converted before counting
+        (torch.bfloat16, torch.float32, None),  # float32, not rounded
+        (torch.float32, None, torch.bfloat16),  # the float32 result, rounded once
+        (torch.float32, torch.bfloat16, torch.float32),
+    ],
+)
+def test_dtype_and_out_dtype(model_set, inputs, dtype, out_dtype):
     base, tasks = model_set
+    base = {k: v.to(inputs) for k, v in base.items()}
+    tasks = [{k: v.to(inputs) for k, v in t.items()} for t in tasks]
     models, base_id, _ = ordered(base, tasks)
     out = mergekit_ram.merge_state_dicts(
-        models, "ramplus", base=base_id, dtype=torch.bfloat16
+        models, "ramplus", base=base_id, dtype=dtype, out_dtype=out_dtype
     )
-    low, low_lam = reference_result(base, tasks, torch.bfloat16, r=0.1)
-    _, full_lam = reference.merge(base, tasks, r=0.1)
-    assert low_lam != full_lam  # the conversion changes the statistics
+    expected, _ = reference_result(base, tasks, dtype, r=0.1, out_dtype=out_dtype)
+    plain, _ = reference.merge(base, tasks, r=0.1)
     for name in base:
-        assert tensor_equal(out[name], low[name]), name
-
-
-def test_dtype_float32_on_low_precision_inputs(model_set):
-    base, tasks = model_set
-    base16 = {k: v.to(torch.bfloat16) for k, v in base.items()}
-    tasks16 = [{k: v.to(torch.bfloat16) for k, v in t.items()} for t in tasks]
-    models, base_id, _ = ordered(base16, tasks16)
-    out = mergekit_ram.merge_state_dicts(
-        models, "ramplus", base=base_id, dtype=torch.float32
-    )
-    full, _ = reference_result(base16, tasks16, torch.float32, r=0.1)
-    for name in base:
-        assert tensor_equal(out[name], full[name]), name  # float32, not rounded
-
-
-def test_out_dtype(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    out = mergekit_ram.merge_state_dicts(
-        models, "ramplus", base=base_id, out_dtype=torch.bfloat16
-    )
-    full, _ = reference.merge(base, tasks, r=0.1)
-    for name in base:
-        assert tensor_equal(out[name], full[name].to(torch.bfloat16)), name
-
-
-def test_dtype_and_out_dtype_together(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    out = mergekit_ram.merge_state_dicts(
-        models,
-        "ramplus",
-        parameters={"saturation": "soft"},
-        base=base_id,
-        dtype=torch.bfloat16,
-        out_dtype=torch.float32,
-    )
-    # Computed from the bf16-cast inputs, written as the float32 result.
-    low, _ = reference_result(
-        base, tasks, torch.bfloat16, r=0.1, saturation="soft", out_dtype=torch.float32
-    )
-    rounded, _ = reference_result(base, tasks, torch.bfloat16, r=0.1, saturation="soft")
-    for name in base:
-        assert tensor_equal(out[name], low[name]), name
-    assert any(not torch.equal(out[n], rounded[n].float()) for n in base)
+        assert tensor_equal(out[name], expected[name]), name
+    assert any(not torch.equal(out[n], plain[n]) for n in base)
 
 
 def test_merge_tensors_dtype_and_out_dtype():

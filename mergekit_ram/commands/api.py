@@ -90,19 +90,6 @@ def _method(method: str | MergeMethod) -> MergeMethod:
     return merge_methods.get(method) if isinstance(method, str) else method
 
 
-def _base_buffers(
-    dicts: Mapping[Hashable, Mapping[str, torch.Tensor]], base: Hashable
-) -> dict[Hashable, dict[str, torch.Tensor]]:
-    """The state dicts with every model's copy of a non-float base buffer
-    replaced by the base's, so mergekit's copy-if-equal rule copies the base's
-    (RAM has no task vector for integer or bool buffers)."""
-    buffers = {n: t for n, t in dicts[base].items() if from_base(t.dtype)}
-    return {
-        key: {n: buffers.get(n, t) for n, t in state.items()}
-        for key, state in dicts.items()
-    }
-
-
 def _pooled(function: Callable[..., T]) -> Callable[..., T]:
     """One pool of worker threads for the whole call (its count and its
     merge), sized for the CPUs this process may use."""
@@ -117,68 +104,46 @@ def _pooled(function: Callable[..., T]) -> Callable[..., T]:
 
 @_pooled
 def merge_tensors(
-    tensors: Sequence[torch.Tensor],
-    method: str | MergeMethod,
-    *,
-    parameters: Mapping[str, Any] | None = None,
-    ids: Sequence[Hashable] | None = None,
-    base_index: int | None = None,
-    name: str | None = None,
-    dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
+    tensors: Sequence[torch.Tensor], method: str | MergeMethod, **options: Any
 ) -> torch.Tensor:
-    """mergekit's merge_tensors.
+    """mergekit's merge_tensors, with its keyword arguments.
 
     With RAM, a non-float base (an integer or bool buffer) is returned as the
     base has it, as in a config merge (mergekit would promote it to the task
     tensors' float dtype and merge).
     """
     method = _method(method)
-    base = tensors[base_index] if base_index in range(len(tensors)) else None
+    index = options.get("base_index")
+    base = tensors[index] if index in range(len(tensors)) else None
     if isinstance(method, RAMMerge) and base is not None and from_base(base.dtype):
         return base.clone()
-    return merge_methods.merge_tensors(
-        tensors,
-        method,
-        parameters=parameters,
-        ids=ids,
-        base_index=base_index,
-        name=name,
-        dtype=dtype,
-        out_dtype=out_dtype,
-    )
+    return merge_methods.merge_tensors(tensors, method, **options)
 
 
 @_pooled
 def merge_state_dicts(
     models: Mapping[Hashable, StateDictLike] | Sequence[StateDictLike],
     method: str | MergeMethod,
-    *,
-    parameters: Mapping[str, Any] | None = None,
-    base: Hashable | None = None,
-    strict: bool = True,
-    dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-    batch_options: merge_methods.BatchOptions | None = None,
+    **options: Any,
 ) -> dict[str, torch.Tensor]:
-    """mergekit's merge_state_dicts (global RAM+ counts every tensor first)."""
+    """mergekit's merge_state_dicts, with its keyword arguments (global RAM+
+    counts every tensor first).
+
+    With RAM, every model's copy of a non-float base buffer is replaced by
+    the base's, so mergekit's copy-if-equal rule copies the base's (RAM has
+    no task vector for integer or bool buffers), as in a config merge.
+    """
     method = _method(method)
-    items = (
-        list(models.items()) if isinstance(models, Mapping) else list(enumerate(models))
-    )
+    items = models.items() if isinstance(models, Mapping) else enumerate(models)
     dicts = {
         key: m.state_dict(keep_vars=True) if isinstance(m, torch.nn.Module) else m
         for key, m in items
     }
+    base = options.get("base")
     if isinstance(method, RAMMerge) and base in dicts:
-        models = _base_buffers(dicts, base)
-    return merge_methods.merge_state_dicts(
-        models,
-        method,
-        parameters=parameters,
-        base=base,
-        strict=strict,
-        dtype=dtype,
-        out_dtype=out_dtype,
-        batch_options=batch_options,
-    )
+        buffers = {n: t for n, t in dicts[base].items() if from_base(t.dtype)}
+        models = {
+            key: {n: buffers.get(n, t) for n, t in state.items()}
+            for key, state in dicts.items()
+        }
+    return merge_methods.merge_state_dicts(models, method, **options)

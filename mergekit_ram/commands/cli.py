@@ -15,8 +15,7 @@ from typing import Any, NamedTuple
 
 import click
 
-from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.errors import ClickInputError
+from mergekit_ram.integration.errors import click_errors
 
 
 class Entry(NamedTuple):
@@ -64,34 +63,15 @@ class _Commands(click.Group):
             formatter.write_dl([(name, entry.help) for name, entry in COMMANDS.items()])
 
     def invoke(self, ctx: click.Context) -> Any:
-        try:
+        with click_errors():
             return super().invoke(ctx)
-        except ClickInputError:
-            raise
-        except RAMInputError as error:
-            raise ClickInputError(str(error)) from error
-
-
-def versions() -> str:
-    """The installed mergekit-ram and mergekit versions: a bug report needs both."""
-    return f"mergekit-ram {version('mergekit-ram')}, mergekit {version('mergekit')}"
-
-
-def _show_versions(
-    context: click.Context, _param: click.Parameter, value: bool
-) -> None:
-    if value and not context.resilient_parsing:
-        click.echo(versions())
-        context.exit()
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--version",
-    is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=_show_versions,
+@click.version_option(
+    # Both versions: a bug report needs both.
+    message=f"%(package)s %(version)s, mergekit {version('mergekit')}",
+    package_name="mergekit-ram",
     help="Show mergekit-ram's and mergekit's versions and exit.",
 )
 def main() -> None:

@@ -7,9 +7,7 @@ only when one of them runs or shows its help.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,150 +20,61 @@ from pydantic import ValidationError
 from mergekit_ram.commands.cli import COMMANDS
 from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.methods import METHODS, is_ours
-from mergekit_ram.integration.validation import (
-    DuplicateKey,
-    Findings,
-    check_config,
-    check_keys,
-    written_document,
-)
+from mergekit_ram.integration.methods import METHODS
+from mergekit_ram.integration.validation import check_config, written_document
 
-SHOWN_LIMIT = 200  # characters of an offending value echoed back
 PROBLEM_LIMIT = 5  # schema problems listed, the rest counted
 
 
 def _load(
-    config_file: str, out_path: str | None = None, command: str = "merge"
+    config_file: str, command: str = "merge"
 ) -> tuple[MergeConfiguration, str, Any]:
     """The configuration, its text and the document as written; a
-    CONFIG_FILE that is no YAML text (swapped with OUT_PATH, a folder,
-    binary), bad YAML or schema is a RAMInputError."""
-    source = _read_text(config_file, out_path, command)
+    CONFIG_FILE that is no text (a checkpoint given in its place), bad YAML
+    or a schema error (pydantic's messages, at their keys) is a RAMInputError."""
+    try:
+        source = Path(config_file).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        usage = "OUT_PATH" if command == "merge" else "[--out DIR]"
+        raise RAMInputError(
+            f"CONFIG_FILE {config_file} is not a text file (byte {error.start} is "
+            "not UTF-8): it is no YAML configuration. The order is: mergekit-ram "
+            f"{command} CONFIG_FILE {usage}."
+        ) from None
     try:
         document = written_document(source)
     except yaml.YAMLError as error:
-        raise RAMInputError(_yaml_problem(config_file, error)) from error
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or " ".join(str(error).split())
+        raise RAMInputError(
+            f"{config_file} is not valid YAML{at}: {problem}."
+        ) from None
     try:
         return MergeConfiguration.model_validate(document), source, document
     except ValidationError as error:
-        problem = _schema_problems(error)
+        problems = [
+            "".join(
+                f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"]
+            ).lstrip(".")
+            + f": {item['msg']}"
+            for item in error.errors(include_url=False)
+        ]
     except RuntimeError as error:  # mergekit's own validators raise these
-        problem = str(error)
-    findings = Findings()
-    findings.add(
-        f"{config_file} is not a valid mergekit configuration: {problem}. "
-        f"{examples_hint()}"
+        problems = [str(error)]
+    more = len(problems) - PROBLEM_LIMIT
+    problems = problems[:PROBLEM_LIMIT] + [f"and {more} more"] * (more > 0)
+    raise RAMInputError(
+        f"{config_file} is not a valid mergekit configuration ({examples_hint()}):\n"
+        + "\n".join(f"- {problem}" for problem in problems)
     )
-    method = document.get("merge_method") if isinstance(document, dict) else None
-    if is_ours(method):  # a typo'd key is often why the schema failed
-        check_keys(document, method, findings)
-    raise findings.error()
-
-
-def _read_text(config_file: str, out_path: str | None, command: str) -> str:
-    """CONFIG_FILE's text. The usual mistake is the arguments swapped
-    (`merge ./merged config.yml`): say which is which."""
-    usage = f"The order is: mergekit-ram {command} CONFIG_FILE" + (
-        " OUT_PATH." if command == "merge" else " [--out DIR]."
-    )
-    swapped = (
-        out_path is not None
-        and os.path.isfile(out_path)
-        and out_path.lower().endswith((".yml", ".yaml"))
-    )
-    hint = f" {out_path} looks like the configuration: {usage}" if swapped else ""
-    if os.path.isdir(config_file):
-        raise RAMInputError(f"CONFIG_FILE {config_file} is a folder.{hint}")
-    try:
-        with open(config_file, "rb") as handle:
-            data = handle.read()
-    except OSError as error:
-        raise RAMInputError(
-            f"CONFIG_FILE {config_file} cannot be read ({error.strerror}).{hint} "
-            "Give the path of the merge's YAML file."
-        ) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise RAMInputError(
-            f"CONFIG_FILE {config_file} is not a text file (byte {error.start} is "
-            f"not UTF-8): it is no YAML configuration.{hint or ' ' + usage}"
-        ) from None
 
 
 def examples_hint() -> str:
     """Where working configurations are, from wherever the user runs us."""
     folder = Path(__file__).resolve().parents[2] / "example_configs"
     where = str(folder) if folder.is_dir() else "example_configs/ in the repository"
-    return f"{where} holds working RAM and RAM+ configurations."
-
-
-def _yaml_problem(config_file: str, error: yaml.YAMLError) -> str:
-    mark = getattr(error, "problem_mark", None)
-    where = (
-        "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-    )
-    problem = getattr(error, "problem", None) or str(error)
-    if isinstance(error, DuplicateKey):
-        return f"{config_file}{where}: {problem}."
-    if isinstance(error, yaml.reader.ReaderError):
-        return (
-            f"{config_file} is not valid YAML: it holds the control character "
-            f"{chr(error.character)!r} (character {error.position + 1}), which "
-            "YAML does not allow. Is it a binary file, or was a control "
-            "character pasted in? Remove it."
-        )
-    return (
-        f"{config_file} is not valid YAML{where}: {problem}. Fix the syntax there "
-        "(indentation, a missing ':' or an unquoted special character)."
-    )
-
-
-def _schema_problems(error: ValidationError) -> str:
-    """Each offending key once: pydantic reports every union alternative."""
-    grouped: dict[Any, list[dict]] = {}
-    for item in error.errors():
-        key = (
-            ("missing", item["loc"]) if item["type"] == "missing" else id(item["input"])
-        )
-        grouped.setdefault(key, []).append(item)
-    problems = []
-    for items in grouped.values():
-        loc = _common_prefix([item["loc"] for item in items])
-        if items[0]["type"] == "missing":
-            text = " is required"
-        elif len(items) == 1:
-            text = f": {items[0]['msg']} (got {_shown(items[0]['input'])})"
-        else:
-            text = f": {_shown(items[0]['input'])} is not a valid value"
-        problems.append(_dotted(loc) + text)
-    more = len(problems) - PROBLEM_LIMIT
-    shown = "; ".join(problems[:PROBLEM_LIMIT])
-    return shown if more <= 0 else f"{shown}; and {more} more problem(s)"
-
-
-def _common_prefix(locs: list[tuple]) -> tuple:
-    prefix = locs[0]
-    for loc in locs[1:]:
-        size = next(
-            (i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b),
-            min(len(prefix), len(loc)),
-        )
-        prefix = prefix[:size]
-    return prefix
-
-
-def _dotted(loc: tuple) -> str:
-    """A pydantic location as the YAML path a user reads: models[0].model."""
-    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
-    return text.lstrip(".") or "the document"
-
-
-def _shown(value: Any) -> str:
-    """A value as JSON, cut short: what a user typed may be huge."""
-    text = json.dumps(value, default=str, ensure_ascii=False)
-    return text if len(text) <= SHOWN_LIMIT else f"{text[:SHOWN_LIMIT]}…"
+    return f"{where} holds working RAM and RAM+ configurations"
 
 
 def _finite_number(
@@ -203,7 +112,7 @@ def _emit(report: dict, out_dir: str | None) -> None:
 
 
 @click.command("merge", cls=PrettyPrintHelp, help=COMMANDS["merge"].help)
-@click.argument("config_file", type=click.Path())
+@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
 @click.argument("out_path", type=click.Path())
 @click.option(
     "--report",
@@ -223,7 +132,7 @@ def merge(
 
     install()
     merge_options.apply_global_options()
-    config, source, _document = _load(config_file, out_path)
+    config, source, _document = _load(config_file)
     _refuse_report_folder(config, report_dir)
     if report_dir is None:
         run_merge(config, out_path, options=merge_options, config_source=source)
@@ -243,22 +152,9 @@ def merge(
 # computes, and logging. The others shape a merge's execution or its output
 # (shards, model card, tokenizer copy, seed, multi-GPU, writer threads).
 ANALYZE_OPTIONS = frozenset(
-    {
-        "allow_crimes",
-        "unsafe_truncate_embeddings",
-        "transformers_cache",
-        "lora_merge_cache",
-        "lora_merge_dtype",
-        "trust_remote_code",
-        "lazy_unpickle",
-        "cuda",
-        "device",
-        "low_cpu_memory",
-        "read_to_gpu",
-        "num_threads",
-        "verbosity",
-        "quiet",
-    }
+    "allow_crimes unsafe_truncate_embeddings transformers_cache lora_merge_cache "
+    "lora_merge_dtype trust_remote_code lazy_unpickle cuda device low_cpu_memory "
+    "read_to_gpu num_threads verbosity quiet".split()
 )
 
 
@@ -272,7 +168,7 @@ def _analyze_options_only(command: click.Command) -> click.Command:
 
 @_analyze_options_only
 @click.command("analyze", cls=PrettyPrintHelp, help=COMMANDS["analyze"].help)
-@click.argument("config_file", type=click.Path())
+@click.argument("config_file", type=click.Path(exists=True, dir_okay=False))
 @click.option(
     "--out",
     "out_dir",
@@ -313,7 +209,7 @@ def analyze(
             raise click.BadParameter(str(error), param_hint="--r") from error
     install()
     merge_options.apply_global_options()
-    config, _source, document = _load(config_file, command="analyze")
+    config, _source, document = _load(config_file, "analyze")
     _refuse_report_folder(config, out_dir)
     findings = check_config(config, merge_options, document, "mergekit-ram analyze")
     try:

@@ -45,42 +45,6 @@ WRITTEN_WEIGHTS = re.compile(
     r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
 )
 
-# safetensors' dtype names and torch's. Torch and safetensors are imported
-# only by the header checks: the publisher and the read-ahead use this module
-# without them.
-TORCH_NAMES = dict(
-    {
-        "F64": "float64",
-        "F32": "float32",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E4M3FNUZ": "float8_e4m3fnuz",
-        "F8_E5M2": "float8_e5m2",
-        "F8_E5M2FNUZ": "float8_e5m2fnuz",
-        "F8_E8M0": "float8_e8m0fnu",
-        "C64": "complex64",
-        "I64": "int64",
-        "I32": "int32",
-        "I16": "int16",
-        "I8": "int8",
-        "U64": "uint64",
-        "U32": "uint32",
-        "U16": "uint16",
-        "U8": "uint8",
-        "BOOL": "bool",
-    }
-)
-
-
-def torch_dtype(name: str) -> torch.dtype | None:
-    """torch's dtype for a safetensors dtype name; None where torch (or this
-    torch) has none (F4, F6_*; U16-U64 before torch 2.3)."""
-    import torch
-
-    return getattr(torch, TORCH_NAMES.get(name, ""), None)
-
-
 FIX = (
     "Copy or download the checkpoint again (or save it again with "
     "save_pretrained); the merge has not started."
@@ -104,13 +68,6 @@ class Tensor(NamedTuple):
     dtype_name: str
     shape: tuple[int, ...]
 
-    @property
-    def merged(self) -> bool:
-        """Whether RAM merges it (floating point) rather than copying the base's."""
-        from mergekit_ram.core.checks import from_base
-
-        return not from_base(self.dtype)
-
 
 def _refuse(role: str, model: str, file: str, problem: str) -> RAMInputError:
     return RAMInputError(f"{role} {model}: {file} {problem}. {FIX}")
@@ -122,42 +79,37 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= REASON_LIMIT else f"{text[:REASON_LIMIT]}…"
 
 
-def _not_regular(path: str) -> str | None:
-    """What `path` is when it is not a regular file (or a link to one), else None.
-
-    Checked with stat, which never blocks: opening a named pipe would.
-    """
+def regular_file(path: str, role: str, model: str) -> None:
+    """Refuse `path` unless it is a regular file (or a link to one) this
+    process may read, checked with stat, which never blocks (opening a named
+    pipe would)."""
+    name = os.path.basename(path)
     try:
         mode = os.stat(path).st_mode
+        kind = None if stat.S_ISREG(mode) else "not a regular file"
+        kind = next((kind for test, kind in KINDS if test(mode)), kind)
     except FileNotFoundError:
-        if os.path.islink(path):
-            return f"a symlink to {os.readlink(path)}, which does not exist"
-        return "missing"
+        link = os.path.islink(path)
+        kind = (
+            f"a symlink to {os.readlink(path)}, which does not exist"
+            if link
+            else "missing"
+        )
     except OSError as error:  # a symlink loop, a name too long, no permission
-        return f"unreadable ({error.strerror or error})"
-    if stat.S_ISREG(mode):
-        return None
-    return next((kind for test, kind in KINDS if test(mode)), "not a regular file")
-
-
-def regular_file(path: str, role: str, model: str) -> None:
-    """Refuse `path` unless it is a regular file this process may read,
-    before anything opens it."""
-    kind = _not_regular(path)
+        kind = f"unreadable ({error.strerror or error})"
     if kind is not None:
         raise RAMInputError(
-            f"{role} {model}: {os.path.basename(path)} is {kind}, where a "
-            "regular file belongs. Put the real file there (or fix the link); "
-            "the merge has not started."
+            f"{role} {model}: {name} is {kind}, where a regular file belongs. Put "
+            "the real file there (or fix the link); the merge has not started."
         )
     try:
         with open(path, "rb"):
             pass  # a regular file: opening it never blocks
     except OSError as error:
         raise RAMInputError(
-            f"{role} {model}: {os.path.basename(path)} cannot be read "
-            f"({error.strerror}). Give the user running the merge read access "
-            "to it (e.g. chmod a+r); the merge has not started."
+            f"{role} {model}: {name} cannot be read ({error.strerror}). Give the "
+            "user running the merge read access to it (e.g. chmod a+r); the "
+            "merge has not started."
         ) from None
 
 
@@ -165,21 +117,13 @@ def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
     """The tensors a safetensors file declares, as the safetensors library
     validated its header (only the header is read)."""
     from safetensors import SafetensorError, safe_open
+    from safetensors.torch import _TYPES  # its names → torch's; absent: none
 
     regular_file(path, role, model)
     name = os.path.basename(path)
     try:
         with safe_open(path, framework="pt") as handle:
-            slices = {key: handle.get_slice(key) for key in handle.keys()}
-            return {
-                key: Tensor(
-                    name,
-                    torch_dtype(part.get_dtype()),
-                    part.get_dtype(),
-                    tuple(part.get_shape()),
-                )
-                for key, part in slices.items()
-            }
+            parts = {key: handle.get_slice(key) for key in handle.keys()}
     except (SafetensorError, OSError) as error:
         raise _refuse(
             role,
@@ -188,6 +132,12 @@ def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
             f"is not a valid safetensors file ({_reason(error)}): truncated, "
             "padded, corrupt or not a safetensors file",
         ) from None
+    return {
+        key: Tensor(
+            name, _TYPES.get(kind := part.get_dtype()), kind, tuple(part.get_shape())
+        )
+        for key, part in parts.items()
+    }
 
 
 def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
@@ -213,60 +163,45 @@ def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
             "mapping of tensor names to tensors. Save the model's state dict."
         )
     return {
-        key: Tensor(
-            name,
-            value.dtype,
-            str(value.dtype).removeprefix("torch."),
-            tuple(value.shape),
-        )
+        key: Tensor(name, value.dtype, str(value.dtype)[6:], tuple(value.shape))
         for key, value in state.items()
         if isinstance(value, torch.Tensor)
     }
 
 
 def model_tensors(path: str, role: str) -> dict[str, Tensor]:
-    """Every tensor of the model folder `path`, from the file mergekit would
+    """Every tensor of the model folder `path`, from the files mergekit would
     read (a dangling symlink counts as present: it is refused, not skipped)."""
+    from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
+
     for stem, reader in zip(SINGLE_FILES, (safetensors_header, pickle_tensors)):
         single = os.path.join(path, stem)
         index = f"{single}.index.json"
-        if os.path.lexists(index):
-            return _indexed(index, path, role, reader)
-        if os.path.lexists(single):
-            return reader(single, role, path)
+        if not os.path.lexists(index):
+            if os.path.lexists(single):
+                return reader(single, role, path)
+            continue
+        regular_file(index, role, path)
+        name = os.path.basename(index)
+        try:  # mergekit's reading of the index
+            shards = ShardedTensorIndex.from_disk(path).shards
+            files = [(shard, os.path.join(path, shard.filename)) for shard in shards]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            problem = f"is not a valid index ({_reason(error)})"
+            raise _refuse(role, path, name, problem) from None
+        found: dict[str, Tensor] = {}
+        for shard, file in files:
+            if not os.path.lexists(file):
+                problem = f"names the shard {shard.filename}, which is missing"
+                raise _refuse(role, path, name, problem)
+            tensors = reader(file, role, path)
+            found.update(tensors)
+            for tensor in shard.contained_keys:
+                if tensor not in tensors:
+                    problem = f"lacks tensor {tensor}, which {name} places there"
+                    raise _refuse(role, path, shard.filename, problem)
+        return found
     return {}
-
-
-def _indexed(index: str, path: str, role: str, reader) -> dict[str, Tensor]:
-    regular_file(index, role, path)
-    name = os.path.basename(index)
-    try:
-        with open(index, encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
-        if not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        problem = f"is not a valid index ({_reason(error)})"
-        raise _refuse(role, path, name, problem) from None
-    found: dict[str, Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        file = os.path.join(path, shard)
-        if not os.path.lexists(file):
-            raise _refuse(
-                role, path, name, f"names the shard {shard}, which is missing"
-            )
-        found.update(reader(file, role, path))
-    for tensor, shard in weight_map.items():
-        if tensor not in found:
-            raise _refuse(
-                role,
-                path,
-                shard,
-                f"lacks tensor {tensor}, which {name} places there",
-            )
-    return found
 
 
 def check_models(
@@ -289,12 +224,12 @@ def check_models(
     """
     import torch
 
-    from mergekit_ram.core.checks import check_layout
+    from mergekit_ram.core.checks import check_layout, from_base, uncomputable
 
     names: list[Collection[str] | None] = []
 
     def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
-        problem = _dtype_problem(tensor)
+        problem = uncomputable(tensor.dtype) if tensor.dtype else "has no torch dtype"
         if problem is None:
             return
         if read is not None and not names:
@@ -308,7 +243,7 @@ def check_models(
         )
 
     base_tensors = model_tensors(base[1], base[0])
-    merged = {name: t for name, t in base_tensors.items() if t.merged}
+    merged = {n: t for n, t in base_tensors.items() if not from_base(t.dtype)}
     for name, tensor in merged.items():
         computable(name, tensor, *base)
     for role, path in tasks:
@@ -322,28 +257,18 @@ def check_models(
             if name not in merged:
                 continue  # copied from the base
             computable(name, found, role, path)
-            if not compare or (found.merged and found.shape == expected.shape):
+            if not compare or (
+                not from_base(found.dtype) and found.shape == expected.shape
+            ):
                 continue
             if vocabulary_free and found.shape[1:] == expected.shape[1:]:
                 continue
-            check_layout(
-                name,
-                {
-                    base[1]: torch.empty(
-                        expected.shape, dtype=expected.dtype, device="meta"
-                    ),
-                    path: torch.empty(found.shape, dtype=found.dtype, device="meta"),
-                },
-                base[1],
-            )
-
-
-def _dtype_problem(tensor: Tensor) -> str | None:
-    if tensor.dtype is None:
-        return "has no torch dtype"
-    from mergekit_ram.core.checks import uncomputable
-
-    return uncomputable(tensor.dtype)
+            layouts = {base[1]: expected, path: found}
+            meta = {
+                m: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                for m, t in layouts.items()
+            }
+            check_layout(name, meta, base[1])
 
 
 def _missing(

@@ -1,14 +1,17 @@
 """Our input errors as click's, for mergekit's and our command-line tools.
 
 Core raises RAMInputError, a plain ValueError. Stock `mergekit-yaml` is a
-click command that knows nothing of it, so the run_merge wrapper re-raises it
-as a ClickInputError, which click prints as `Error: ...` with exit code 2 and
-no traceback, and which Python callers can still catch as RAMInputError. A
-method name mergekit does not know is an UnknownMethod: the RuntimeError
-mergekit raises for it, printed the same way.
+click command that knows nothing of it, so the run_merge wrapper and our
+command group re-raise it as a ClickInputError, which click prints as
+`Error: ...` with exit code 2 and no traceback, and which Python callers can
+still catch as RAMInputError. A method name mergekit does not know is an
+UnknownMethod: the RuntimeError mergekit raises for it, printed the same way.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -27,3 +30,14 @@ class ClickInputError(click.ClickException, RAMInputError):
 class UnknownMethod(ClickInputError, RuntimeError):
     """`merge_method` names no method mergekit knows: the RuntimeError
     mergekit raises for it, and our input error."""
+
+
+@contextmanager
+def click_errors() -> Iterator[None]:
+    """A RAMInputError raised inside, as the ClickInputError click prints."""
+    try:
+        yield
+    except ClickInputError:
+        raise
+    except RAMInputError as error:
+        raise ClickInputError(str(error)) from error

@@ -23,7 +23,7 @@ from mergekit.merge_methods import registry
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import output_conflict
 from mergekit_ram.integration.context import current_run, merge_run
-from mergekit_ram.integration.errors import ClickInputError
+from mergekit_ram.integration.errors import click_errors
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.output_folder import staged_merge
 from mergekit_ram.integration.validation import (
@@ -91,7 +91,7 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
             run.findings = check_config(merge_config, options, written(config_source))
             refuse_input_folder(merge_config, out_path)
 
-        try:
+        with click_errors():  # mergekit-yaml is a click command: `Error: ...`, exit 2
             if not known:  # refused before OUT is touched, with the file's problems
                 check_config(merge_config, options, written(config_source))
             with merge_run() as run:
@@ -106,11 +106,6 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
                     ),
                     check,
                 )
-        except ClickInputError:
-            raise
-        except RAMInputError as error:
-            # mergekit-yaml is a click command: print it as `Error: ...`, exit 2.
-            raise ClickInputError(str(error)) from error
 
     run_merge.__mergekit_ram__ = original
     return run_merge

@@ -1,54 +1,53 @@
 """Checks of a `ram` / `ramplus` merge, each rule in one place, before any
 weight is read.
 
-Before mergekit plans (`check_config`), what needs no plan: the method name,
-every key of the YAML, each value through the method's own pydantic spec,
-which models are merged, their folders and their checkpoints' headers. Once
-mergekit has planned (`check_plan`, called by the planner hook), on the
-parameters it resolved per tensor: one value per setting under global
-statistics, one unique_scale per model, alpha only with the clip rule,
-density only with `shared: ties`, λ within the output dtype.
+Before mergekit plans (`check_config`): the method name, every key of the
+YAML, each value through the method's own pydantic spec, which models are
+merged, their folders and their checkpoints' headers. Once mergekit has
+planned (`check_plan`, called by the planner hook): one value per setting
+under global statistics, one unique_scale per model, alpha only with the clip
+rule, density only with `shared: ties`, λ within the output dtype.
 
 The rule for keys (docs/errors.md): a key meant for RAM (one of our parameter
 names or a near miss of one, wherever it stands, or a misspelled
-`parameters:`) is an error; a key RAM ignores, as stock mergekit ignores it
-(another method's parameter, a key no method knows), is a warning line and
-the merge runs as stock would. A file's errors and warnings are reported
-together: errors as one block that lists the warnings too, warnings alone as
-one log line each once the plan is checked.
+`parameters:`) is an error; a key RAM ignores, as stock mergekit ignores it,
+is a warning line and the merge runs as stock would.
 """
 
 from __future__ import annotations
 
 import difflib
+import errno
+import json
+import os
 import re
-import types
-import typing
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
 
 import torch
 import yaml
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from mergekit.architecture import arch_info_for_config
 from mergekit.common import ModelReference, dtype_from_name
-from mergekit.config import ConditionalParameter, MergeConfiguration
+from mergekit.config import MergeConfiguration
 from mergekit.merge_methods import registry
 from mergekit.merge_methods.base import ParameterScope
 from mergekit.options import MergeOptions
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from mergekit_ram.core.errors import Problems, RAMInputError
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.core.settings import MergeSettings, unique_scale_error
-from mergekit_ram.integration.checkpoints import check_models, first_duplicate
+from mergekit_ram.integration.checkpoints import (
+    WEIGHT_FILES,
+    check_models,
+    first_duplicate,
+    regular_file,
+)
 from mergekit_ram.integration.errors import UnknownMethod
 from mergekit_ram.integration.methods import METHODS, RAMMerge, is_ours
-from mergekit_ram.integration.model_locations import (
-    architecture_names,
-    check_layer_ranges,
-    check_location,
-    local,
-)
 
 RESCALE_FACTOR_HINT = (
     "The authors' --rescale_factor R is r = R − 1 here: their arm-r-v2 is "
@@ -59,8 +58,8 @@ RESCALE_FACTOR_HINT = (
 
 class Findings(Problems):
     """A configuration's problems and warnings, and where the user wrote
-    each of our parameters (`written`: key → its first place), which the
-    plan-time rules about settings that act only beside another need."""
+    each of our parameters (`written`: key → its first place), for the
+    plan-time rules about settings that act only beside another."""
 
     def __init__(self) -> None:
         super().__init__("The configuration")
@@ -88,9 +87,14 @@ def check_config(
     findings = Findings()
     method = _method(config.merge_method, findings)
     if is_ours(method):
-        if document is None:
-            document = config.model_dump(mode="json", exclude_none=True)
-        check_keys(document, method, findings)
+        # What pydantic read, every field present: a written key missing here
+        # is one mergekit drops. (Python mode: mergekit 0.1.5 cannot serialize
+        # a model path holding a space or a quote to JSON.)
+        read = config.model_dump()
+        document = read if document is None else document
+        ours = next(m for m in METHODS if m.spec.name == method)
+        base = document.get("base_model") if isinstance(document, dict) else None
+        _keys(document, read, "", ours, base, findings)
     elif user is None and not findings.found:
         return findings  # another method's merge: mergekit's to check
     user = user or f"merge_method {method}"
@@ -103,9 +107,8 @@ def check_config(
 
 
 def _method(name: Any, findings: Findings) -> str:
-    """The method to check the file as: a misspelling of ours is checked as
-    the method it means, so it is reported with every other problem; any
-    other unknown name is refused alone."""
+    """A misspelling of ours is checked as the method it means, so it is
+    reported with every other problem; any other unknown name alone."""
     known = sorted(m.spec.name for m in registry.registered_methods())
     if name in known:
         return name
@@ -121,10 +124,6 @@ def _method(name: Any, findings: Findings) -> str:
     return close
 
 
-def _ours(name: str) -> RAMMerge:
-    return next(m for m in METHODS if m.spec.name == name)
-
-
 def _check_models(
     config: MergeConfiguration,
     options: MergeOptions | None,
@@ -132,9 +131,9 @@ def _check_models(
     findings: Findings,
 ) -> None:
     """Base and task models, their folders, then (all else right) headers."""
-    bases = [("base_model", config.base_model)] + [
-        (label, base) for label, _, base in model_lists(config) if base is not None
-    ]
+    lists = list(model_lists(config))
+    bases = [("base_model", config.base_model)]
+    bases += [(label, base) for label, _, base in lists if base is not None]
     if not bases[0][1] and len(bases) == 1:
         raise RAMInputError(
             f"{user} needs a base_model: the model the task models were "
@@ -150,50 +149,50 @@ def _check_models(
                 "model, the one the task models were fine-tuned from: remove "
                 "that slice's base_model, or make it the same."
             )
-    lists = [(label, entries) for label, entries, _ in model_lists(config)]
-    for label, entries in lists:
+    for label, entries, _ in lists:
         with findings.check():
             _check_list(label, entries, base, user)
     roles = [("base_model", base)] + [
-        (f"{_item(label, i)}.model", m) for label, e in lists for i, m in enumerate(e)
+        (f"{_item(label, i)}.model", m)
+        for label, e, _ in lists
+        for i, m in enumerate(e)
     ]
+    tokenizer = config.tokenizer.source if config.tokenizer else None
+    for role, source in (
+        ("tokenizer_source", config.tokenizer_source),
+        ("tokenizer", tokenizer),
+    ):
+        if isinstance(source, ModelReference):
+            roles.append((role, source))
     seen: set[ModelReference] = set()
     for role, reference in roles:
         if reference not in seen:
             seen.add(reference)
             with findings.check():
-                check_location(reference.model.path, role, model=True)
+                check_location(reference.model.path, role, model="model" in role)
                 if reference.lora is not None:
                     check_location(reference.lora.path, f"{role} (LoRA)")
-    for role in ("tokenizer_source", "tokenizer"):
-        source = getattr(config, role)
-        source = getattr(source, "source", source)
-        if isinstance(source, ModelReference):
-            with findings.check():
-                check_location(source.model.path, role)
     with findings.check():
         check_layer_ranges(config)
     for key in ("dtype", "out_dtype"):
         with findings.check():
             _check_dtype(key, getattr(config, key))
-    if findings.found:
+    if findings.found or not local(base):
         return
     free = bool(config.tokenizer_source or config.tokenizer)
     free = free or bool(options and options.unsafe_truncate_embeddings)
-    for label, entries, _ in model_lists(config):
-        tasks = [
-            (f"{_item(label, i)}.model", m.model.path)
-            for i, m in enumerate(entries)
-            if m != base and local(m)
-        ]
-        if local(base):
-            check_models(
-                ("base_model", base.model.path),
-                tasks,
-                compare=not label.endswith("]"),
-                vocabulary_free=free,
-                read=partial(architecture_names, base, options),
-            )
+    for label, entries, _ in lists:
+        check_models(
+            ("base_model", base.model.path),
+            [
+                (f"{_item(label, i)}.model", m.model.path)
+                for i, m in enumerate(entries)
+                if m != base and local(m)
+            ],
+            compare=not label.endswith("]"),
+            vocabulary_free=free,
+            read=partial(architecture_names, base, options),
+        )
 
 
 def model_lists(
@@ -201,17 +200,15 @@ def model_lists(
 ) -> Iterator[tuple[str, list[ModelReference], ModelReference | None]]:
     """Each list of models merged together, in the configuration's order:
     (its label, its models, a slice's own base_model or None)."""
-    yield from _lists("", config.models, config.slices)
-    for name, module in (config.modules or {}).items():
-        yield from _lists(f"modules.{name}.", module.models, module.slices)
-
-
-def _lists(prefix: str, models: Any, slices: Any) -> Iterator[tuple]:
-    if models:
-        yield f"{prefix}models", [entry.model for entry in models], None
-    for index, output in enumerate(slices or ()):
-        sources = [source.model for source in output.sources]
-        yield f"{prefix}slices[{index}]", sources, output.base_model
+    sections = [("", config)] + [
+        (f"modules.{name}.", module) for name, module in (config.modules or {}).items()
+    ]
+    for prefix, section in sections:
+        if section.models:
+            yield f"{prefix}models", [entry.model for entry in section.models], None
+        for index, output in enumerate(section.slices or ()):
+            sources = [source.model for source in output.sources]
+            yield f"{prefix}slices[{index}]", sources, output.base_model
 
 
 def _item(label: str, index: int) -> str:
@@ -269,62 +266,161 @@ def _check_dtype(key: str, name: str | None) -> None:
     )
 
 
+# --- model folders ------------------------------------------------------------
+
+
+def local(reference: ModelReference) -> bool:
+    """A model (no LoRA) in a local folder: its headers can be read here."""
+    return reference.lora is None and os.path.isdir(reference.model.path)
+
+
+def check_location(path: str, role: str, *, model: bool = False) -> None:
+    """A local folder (with weights and config.json, for a `model`), or a
+    name mergekit would look up on the hub."""
+    if os.path.isdir(path):
+        if model:
+            _check_model_folder(path, role)
+        return
+    if os.path.exists(path):
+        raise RAMInputError(
+            f"{role}: {path} is a file; mergekit needs the model's directory "
+            "(config.json and its weights)."
+        )
+    problem = "does not exist"
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            problem = "is (or lies under) a symlink loop"
+        elif os.path.islink(path):
+            problem = f"is a symlink to {os.readlink(path)}, which does not exist"
+        elif _hub_id(path):
+            return  # mergekit downloads it
+    relative = (
+        ""
+        if os.path.isabs(path)
+        else f" (relative paths start from the current directory, {os.getcwd()})"
+    )
+    raise RAMInputError(
+        f"{role}: {path} {problem}{relative}. Fix the path, or create the model "
+        "there first."
+    )
+
+
+def _hub_id(path: str) -> bool:
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_model_folder(path: str, role: str) -> None:
+    names = set(os.listdir(path))
+    if not names.intersection(WEIGHT_FILES):
+        adapter = (
+            f" It holds a LoRA adapter: write the model as BASE+{path}."
+            if "adapter_config.json" in names
+            else ""
+        )
+        raise RAMInputError(
+            f"{role}: {path} has no weights mergekit can load; it looks for "
+            f"{', '.join(WEIGHT_FILES)}. Point {role} at the directory "
+            f"save_pretrained wrote the model to.{adapter}"
+        )
+    if "config.json" not in names:
+        raise RAMInputError(
+            f"{role}: {path} has no config.json, which mergekit reads the "
+            "architecture from. Copy it from the model this one was "
+            "fine-tuned from, or save the model with save_pretrained."
+        )
+    model_config(path, role)
+
+
+def model_config(path: str, role: str) -> dict:
+    """A local model's config.json as a mapping; mergekit reads it first."""
+    file = os.path.join(path, "config.json")
+    regular_file(file, role, path)
+    try:
+        with open(file, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        problem = " ".join(str(error).split())[:300]
+        raise RAMInputError(
+            f"{role} {path}: config.json is not valid JSON ({problem}). Fix it, "
+            "or copy the config.json of the model this one was fine-tuned from."
+        ) from None
+    if not isinstance(document, dict):
+        raise RAMInputError(
+            f"{role} {path}: config.json holds a JSON {type(document).__name__}, "
+            "not an object of settings. Save the model again with save_pretrained."
+        )
+    return document
+
+
+def architecture_names(
+    reference: ModelReference, options: MergeOptions | None
+) -> frozenset[str] | None:
+    """The tensor names mergekit reads from a model of the base's architecture
+    (aliases and tied names included); None where mergekit has no definition
+    of it (it then infers one from the files: every tensor may be read)."""
+    trust = options is not None and options.trust_remote_code
+    try:
+        config = reference.config(trust_remote_code=trust)
+        architecture = arch_info_for_config(config)
+        weights = [] if architecture is None else architecture.all_weights(config)
+    except (OSError, ValueError, RuntimeError, KeyError, AttributeError):
+        return None  # mergekit reports these itself when it plans
+    names = set()
+    for weight in weights:
+        names.update((weight.name, *(weight.aliases or ()), *(weight.tied_names or ())))
+    return frozenset(names) or None
+
+
+def check_layer_ranges(config: MergeConfiguration) -> None:
+    """Every top-level slice's layer_range lies within its local model's
+    layers; mergekit would fail on the first missing layer's tensor, after
+    the merge started."""
+    for index, output in enumerate(config.slices or ()):
+        for number, source in enumerate(output.sources):
+            if source.layer_range is None or not local(source.model):
+                continue
+            path = source.model.model.path
+            where = f"slices[{index}].sources[{number}]"
+            layers = model_config(path, f"{where}.model").get("num_hidden_layers")
+            start, end = source.layer_range
+            if isinstance(layers, int) and not 0 <= start < end <= layers:
+                raise RAMInputError(
+                    f"{where}.layer_range: [{start}, {end}] is outside model "
+                    f"{path}, which has {layers} layers (num_hidden_layers in its "
+                    f"config.json). A range [start, end] needs 0 ≤ start < end ≤ "
+                    f"{layers}."
+                )
+
+
 # --- keys and values ------------------------------------------------------------
 
 
-def check_keys(document: Any, method: str, findings: Findings) -> None:
-    """Every key of a RAM configuration's YAML, every value of ours."""
-    base = document.get("base_model") if isinstance(document, dict) else None
-    _keys(document, MergeConfiguration, "", _ours(method), base, findings)
-
-
 def _keys(
-    value: Any,
-    schema: type[BaseModel],
-    where: str,
-    method: RAMMerge,
-    base: Any,
-    findings: Findings,
+    value: Any, read: Any, where: str, method: RAMMerge, base: Any, findings: Findings
 ) -> None:
-    if not isinstance(value, dict):
+    """The written document against what mergekit read from it (`read`, every
+    field of the section present): a written key `read` lacks is dropped."""
+    if not isinstance(value, dict) or not isinstance(read, dict):
         return
-    fields = schema.model_fields
-    known = set(fields) | {f.alias for f in fields.values() if f.alias}
     base = value.get("base_model", base)
     for key, item in value.items():
         label = f"{where}.{key}" if where else str(key)
-        if key not in known:
-            _unread_key(label, str(key), known, where, method, findings)
+        if key not in read:
+            _unread_key(label, str(key), set(read), where, method, findings)
         elif key == "parameters" and isinstance(item, dict):
-            model = value.get("model") if "model" in fields else None
+            model = value.get("model") if "model" in read else None
             _parameters(item, label, model, model == base, method, findings)
-        elif (inner := _schema_of(fields[key].annotation)) is not None:
-            kind, model = inner
-            if kind == "list" and isinstance(item, list):
-                for index, element in enumerate(item):
-                    _keys(element, model, f"{label}[{index}]", method, base, findings)
-            elif kind == "dict" and isinstance(item, dict):
-                for name, element in item.items():
-                    _keys(element, model, f"{label}.{name}", method, base, findings)
-            elif kind == "one":
-                _keys(item, model, label, method, base, findings)
-
-
-def _schema_of(annotation: Any) -> tuple[str, type[BaseModel]] | None:
-    """The one nested section model an annotation holds, and how: 'one',
-    'list' or 'dict' (None: a plain value, a model reference, a union)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _schema_of(inner[0]) if len(inner) == 1 else None
-    if origin in (list, tuple, dict):
-        found = _schema_of(typing.get_args(annotation)[-1])
-        kind = "dict" if origin is dict else "list"
-        return (kind, found[1]) if found and found[0] == "one" else None
-    plain = (ModelReference, ConditionalParameter)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return None if issubclass(annotation, plain) else ("one", annotation)
-    return None
+        elif isinstance(item, list) and isinstance(read[key], list):
+            for index, (element, inner) in enumerate(zip(item, read[key])):
+                _keys(element, inner, f"{label}[{index}]", method, base, findings)
+        else:
+            _keys(item, read[key], label, method, base, findings)
 
 
 def _unread_key(
@@ -338,9 +434,8 @@ def _unread_key(
     """A key mergekit's schema does not read here (pydantic drops it)."""
     ours = [spec.name for spec in method.spec.parameters]
     meant = key if key in ours else _closest(key, ours)
-    others = _other_parameters()
     ignored = f"{label}: mergekit does not read '{key}' here and"
-    if "parameters" in known and meant and (meant == key or key not in others):
+    if "parameters" in known and meant and (meant == key or key not in _others()):
         place = f"{where}.parameters" if where else "parameters"
         spelled = "" if meant == key else f" (did you mean '{meant}'?)"
         findings.add(
@@ -351,8 +446,9 @@ def _unread_key(
         findings.add(f"{ignored} would ignore it. Did you mean 'parameters'?")
     else:
         close = _closest(key, known)
-        hint = f"; did you mean '{close}'?" if close else "."
-        findings.warn(f"{ignored} ignores it{hint}")
+        findings.warn(
+            f"{ignored} ignores it" + (f"; did you mean '{close}'?" if close else ".")
+        )
 
 
 def _parameters(
@@ -363,8 +459,8 @@ def _parameters(
     method: RAMMerge,
     findings: Findings,
 ) -> None:
-    """One `parameters:` mapping: our keys in their place with valid values,
-    any other key classified by `_other_key`."""
+    """One `parameters:` mapping: our keys in their place with valid values
+    (pydantic's message for a bad one), any other key by `_other_key`."""
     specs = {spec.name: spec for spec in method.spec.parameters}
     for key, setting in block.items():
         where = f"{label}.{key}" + ("" if model is None else f" (model {model})")
@@ -373,7 +469,7 @@ def _parameters(
             _other_key(where, str(key), method, findings)
             continue
         if model is not None and spec.scope == ParameterScope.SHARED:
-            if key in _other_parameters(per_model=True):
+            if key in _others(per_model=True):
                 _other_key(where, str(key), method, findings)  # e.g. TIES' density
             else:
                 findings.add(
@@ -388,14 +484,16 @@ def _parameters(
                 f"{where}: the base model has no task vector to scale, and "
                 f"mergekit ignores {key} on it. Remove it, or set it on a task model."
             )
-        elif _empty(setting):
-            findings.add(
-                f"{where}: an empty list gives {key} no value, and mergekit "
-                "would silently use the default. Write a value or remove the key."
-            )
         for value in _leaves(setting):
             try:
-                spec.validate(value)
+                if value is EMPTY:
+                    findings.add(
+                        f"{where}: an empty list gives {key} no value, and mergekit "
+                        "would silently use the default. Write a value or remove "
+                        "the key."
+                    )
+                else:
+                    spec.validate(value)
             except ValidationError as error:
                 findings.add(f"{where}: {error.errors()[0]['msg']} (got {value!r}).")
 
@@ -404,7 +502,7 @@ def _other_key(where: str, key: str, method: RAMMerge, findings: Findings) -> No
     """A parameter name that is not ours: a near miss of ours is an error,
     another method's parameter or an unknown name a warning."""
     ours = [spec.name for spec in method.spec.parameters]
-    others = _other_parameters().get(key)
+    others = _others().get(key)
     meant = _closest(key, ours)
     if others and len(others) > 3:
         others = [*others[:2], f"and {len(others) - 2} others"]
@@ -424,7 +522,7 @@ def _other_key(where: str, key: str, method: RAMMerge, findings: Findings) -> No
             f"mean '{meant}'? Its parameters: {', '.join(ours)}."
         )
     else:
-        close = _closest(key, _other_parameters())
+        close = _closest(key, _others())
         hint = f"; did you mean '{close}'?" if close else "."
         findings.warn(
             f"{where}: no mergekit method has a parameter '{key}', so it is "
@@ -432,7 +530,7 @@ def _other_key(where: str, key: str, method: RAMMerge, findings: Findings) -> No
         )
 
 
-def _other_parameters(per_model: bool = False) -> dict[str, list[str]]:
+def _others(per_model: bool = False) -> dict[str, list[str]]:
     """Each parameter name of a method that is not ours → those methods
     (`per_model`: only where the method reads it per model)."""
     names: dict[str, list[str]] = {}
@@ -444,25 +542,21 @@ def _other_parameters(per_model: bool = False) -> dict[str, list[str]]:
     return names
 
 
+EMPTY = object()  # an empty list where a value belongs
+
+
 def _leaves(setting: Any) -> Iterator[Any]:
-    """The scalar values a written setting holds (inside filters, gradients)."""
-    if isinstance(setting, (dict, ConditionalParameter)):
-        inner = setting.get("value") if isinstance(setting, dict) else setting.value
-        yield from _leaves(inner)
+    """The scalar values a written setting holds (inside filters and
+    gradients), EMPTY for an empty list."""
+    if isinstance(setting, dict):
+        yield from _leaves(setting.get("value"))
     elif isinstance(setting, list):
+        if not setting:
+            yield EMPTY
         for item in setting:
             yield from _leaves(item)
     else:
         yield setting
-
-
-def _empty(setting: Any) -> bool:
-    """An empty list anywhere in a setting (a gradient or filter value)."""
-    if isinstance(setting, dict):
-        return _empty(setting.get("value"))
-    if isinstance(setting, list):
-        return not setting or any(_empty(item) for item in setting)
-    return False
 
 
 def _closest(name: str, choices: Iterable[str]) -> str | None:
@@ -566,12 +660,16 @@ def check_plan(
     return result
 
 
-def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
-    """Each task model's `unique_scale`, which must be one value per model."""
+def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
+    """The merge's scalar settings and each task model's explicit
+    `unique_scale`, which must be one value per model."""
+    settings = MergeSettings.from_parameters(
+        (task.output_weight.name, task.parameters) for task in merges
+    )
     found: dict[Any, tuple] = {}
     for task in merges:
         for model, params in task.input_parameters.items():
-            if model == base:
+            if model == merges[0].base_model:
                 continue
             value = params.get("unique_scale")
             seen = found.setdefault(model, (value, task.output_weight.name))
@@ -581,15 +679,7 @@ def explicit_scales(merges: list[Any], base: Any) -> dict[Any, float | None]:
                     f"is {seen[0]!r} for tensor {seen[1]} but {value!r} for "
                     f"{task.output_weight.name}",
                 )
-    return {model: value for model, (value, _) in found.items()}
-
-
-def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
-    """The merge's scalar settings and each task model's explicit unique_scale."""
-    settings = MergeSettings.from_parameters(
-        (task.output_weight.name, task.parameters) for task in merges
-    )
-    return settings, explicit_scales(merges, merges[0].base_model)
+    return settings, {model: value for model, (value, _) in found.items()}
 
 
 def _check_range(merges: Iterable[Any]) -> None:
