@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 
-from mergekit_ram.analysis.tables import SHARE_HEADERS, share_cells, text_table
+from mergekit_ram.analysis.render import SHARE_HEADERS, markdown_table, share_cells
 from mergekit_ram.commands.install import install
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
@@ -64,15 +64,13 @@ def check_out_dir(root: str) -> None:
 def _table(document: dict, names: dict) -> str:
     rows = [
         [
-            names[task["model"]],
-            *share_cells(
-                task["elements"], task["changed"], task["unique"], task["shared"], 1
-            ),
-            f"{task['scale']:.4f}",
+            names[t["model"]],
+            *share_cells(t["elements"], t["changed"], t["unique"], t["shared"], 1),
+            f"{t['scale']:.4f}",
         ]
-        for task in document["tasks"]
+        for t in document["tasks"]
     ]
-    return "\n".join(text_table(["agent", *SHARE_HEADERS, "λ"], rows))
+    return "\n".join(markdown_table(["agent", *SHARE_HEADERS, "λ"], rows))
 
 
 def _check_loads(path: str) -> str:
