@@ -137,7 +137,7 @@ def test_regime_figure_without_retention(tmp_path):
     report = make_report([0.2, 0.3], llama_names(1), inner_products=False)
     assert report["retention"] is None
     assert all(t["retention"] is None for t in report["tasks"])
-    figures.regime(report, str(tmp_path / "regime.png"))
+    figures.write_figures(report, str(tmp_path))
     image = pixels(tmp_path / "regime.png")
     assert_not_blank(image)
     assert not has_colour(image, TAB10_FIRST)

@@ -24,13 +24,12 @@ from conftest import TaskSpec
 from safetensors.torch import load_file, save_file
 
 import mergekit_ram.integration.statistics
-from mergekit_ram.analysis.naming import layer_of
-from mergekit_ram.analysis.render import REPORT_JSON
-from mergekit_ram.analysis.report import PAPER_R, SCHEMA_VERSION
+from mergekit_ram.analysis.report import PAPER_R, SCHEMA_VERSION, layer_of
 from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING
 from mergekit_ram.commands.analysis import analyze_config
 from mergekit_ram.commands.cli import main
 from mergekit_ram.commands.merge_cli import parse_r_values
+from mergekit_ram.commands.report_files import REPORT_JSON
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
 from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.naming import MODULES, module_of
@@ -569,16 +568,16 @@ def test_schema_document_matches_real_files(analyzed, merged):
 def test_cli_output_and_files(analyzed):
     _config, out, output, report = analyzed
     for title in (
-        "Per task:",
-        "k-way overlap:",
-        "Pairwise overlap (Jaccard):",
-        "Per module:",
-        "Per layer:",
-        "λ sweep over r:",
-        "Overlap against independent supports:",
-        "Unique share and retention:",
+        "Per task",
+        "k-way overlap",
+        "Pairwise overlap (Jaccard)",
+        "Per module",
+        "Per layer",
+        "λ sweep over r",
+        "Overlap against independent supports",
+        "Unique share and retention",
     ):
-        assert title in output
+        assert f"\n## {title}\n" in output
     for name in NAMES:
         assert name in output
     for module in ("embeddings", "attention", "mlp", "norms", "lm_head"):
@@ -588,8 +587,10 @@ def test_cli_output_and_files(analyzed):
     assert f"{first['scale']:.4f}" in output
     for name in ("report.json", "report.md"):
         assert (out / name).stat().st_size > 0, name
+    # One rendering: report.md is what the terminal showed, with the figures.
     md = (out / "report.md").read_text(encoding="utf-8")
-    assert "| task |" in md
+    assert output.startswith(md.split("\n## Figures\n")[0])
+    assert re.search(r"\n\| task +\| changed % \|", md)  # columns, padded
 
 
 def test_cli_writes_the_figures(analyzed):
@@ -621,8 +622,8 @@ def test_r_sweep_table(analyzed, dense):
     zero = report["sweep"][0]
     assert set(zero["scale"].values()) == {1.0}
     assert set(zero["scale_tensor_local"].values()) == {1.0}
-    section = output.split("λ sweep over r:")[1].splitlines()
-    rows = [line.split()[0] for line in section[3:7]]
+    section = output.split("## λ sweep over r")[1].splitlines()
+    rows = [line.split("|")[1].strip() for line in section[4:8]]
     assert rows == ["0", "0.05", "0.1", "0.2"]
     # λ grows with r for a task that has shared elements.
     lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
@@ -687,7 +688,7 @@ def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter
     )
     assert len(pass_counter) == 1  # the merge's own pass, nothing more
     assert "no extra pass" in output
-    assert "Per task:" in output
+    assert "## Per task" in output
     assert (tmp_path / "merged" / "model.safetensors").exists()
     merged_report = read(tmp_path / "rep" / "report.json")
 
@@ -749,7 +750,7 @@ def test_without_matplotlib_text_and_json_still_written(
             monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     output = invoke("analyze", config, "--out", tmp_path, "--quiet")
-    assert "Per task:" in output
+    assert "## Per task" in output
     assert "pip install 'mergekit-ram[plots]'" in output
     assert sorted(os.listdir(tmp_path)) == ["report.json", "report.md"]
     assert read(tmp_path / "report.json")["tasks"] == analyzed[3]["tasks"]
@@ -891,7 +892,7 @@ def test_verdict_says_which_case_and_which_agent(case):
     name, family, output, report, markdown = case
     verdict = report["verdict"]
     sentence = verdict["sentence"]
-    assert f"Verdict: {sentence}" in flat(output)
+    assert f"**Verdict:** {sentence}" in flat(output)
     assert f"**Verdict:** {sentence}" in markdown
     assert verdict["supports"] == name
     assert sentence.startswith(f"supports {name} (")
@@ -974,7 +975,7 @@ def test_verdict_when_agents_change_nothing(models, tmp_path):
         "than the fine-tuning's changes, lower `epsilon`"
     )
     assert verdict["supports"] is None and verdict["diluted"] == []
-    assert f"Verdict: {verdict['sentence']}" in flat(output)
+    assert f"**Verdict:** {verdict['sentence']}" in flat(output)
     copy = root / "base-copy"
     if not copy.exists():
         shutil.copytree(paths["base"], copy)

@@ -28,6 +28,7 @@ FIGURES = {
 def available() -> bool:
     """Whether matplotlib can be imported."""
     try:
+        import matplotlib  # noqa: F401
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
     except ImportError:
         return False
