@@ -57,6 +57,22 @@ def test_unique_share_departure_on_both_sides(observed, expected, departure):
     assert unique_share_departure(observed, expected) == departure
 
 
+def verdict_on(models, labels, changed, intersection, lift, kept, **options):
+    """judge on a report with these numbers; `kept`: each model's retention
+    under RAM, None when the report has none (a merge's own pass)."""
+    tasks = [
+        {"model": m, "label": name, "changed": c, "retention": {"ram": k}}
+        for m, name, c, k in zip(models, labels, changed, kept or [None] * len(models))
+    ]
+    report = {
+        "epsilon": options.pop("epsilon", 1e-5),
+        "tasks": tasks,
+        "pairwise": {"intersection": intersection, "lift": lift},
+        "retention": None if kept is None else {"methods": ["ram"]},
+    }
+    return judge(report, **options)
+
+
 def three(kept, lift=1.0, changed=(100, 100, 100), **options):
     """The verdict on three agents of 100 changes each whose pairs all have
     this lift (expected overlap 20), with RAM retentions `kept`; `changed`
@@ -71,7 +87,8 @@ def three(kept, lift=1.0, changed=(100, 100, 100), **options):
     ]
     lifts = [[cell(s, t, 1.0 if s == t else lift) for t in range(3)] for s in range(3)]
     models = ["/m/a", "/m/b", "/m/c"]
-    return judge(models, ["a", "b", "c"], list(changed), inter, lifts, kept, **options)
+    labels = ["a", "b", "c"]
+    return verdict_on(models, labels, list(changed), inter, lifts, kept, **options)
 
 
 def test_one_agent_diluted_alone_or_with_the_others():
@@ -122,7 +139,7 @@ def test_mixed_supports_name_each_kind():
     # a ⊂ b (nested), a × c and b × c independent.
     intersection = [[10, 10, 2], [10, 50, 10], [2, 10, 20]]
     lift = [[1.0, 2.0, 1.0], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
-    verdict = judge(
+    verdict = verdict_on(
         ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, lift, None
     )
     assert verdict.supports == "nested"
@@ -135,10 +152,10 @@ def test_mixed_supports_name_each_kind():
 
 
 def test_one_task_model_and_one_that_changes_anything():
-    one = judge(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
+    one = verdict_on(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
     assert one.supports is None and one.pairs == () and one.diluted == ()
     assert one.sentence.startswith("one task model")
-    idle = judge(
+    idle = verdict_on(
         ["a", "b"],
         ["a", "b"],
         [5, 0],
@@ -148,8 +165,8 @@ def test_one_task_model_and_one_that_changes_anything():
     )
     assert idle.supports is None and idle.diluted == ()
     assert idle.sentence.startswith(
-        "only a changes anything above epsilon; b changes nothing: there is "
-        "nothing for RAM to average, so it adds a's task vector whole"
+        "only a changes anything above epsilon (1e-05); b changes nothing: there "
+        "is nothing for RAM to average, so it adds a's task vector whole"
     )
 
 
@@ -171,7 +188,7 @@ def test_nothing_changed_means_the_base_model():
 def test_one_task_model_equal_to_the_base():
     """Case (b): the one task model is a copy of the base (0 changes,
     retention n/a). The old sentence said RAM "adds its whole task vector"."""
-    verdict = judge(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None], epsilon=1e-5)
+    verdict = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
     assert verdict.supports is None and verdict.diluted == ()
     assert verdict.sentence.startswith(
         "the task model changes no element above epsilon (1e-05), so there is "
@@ -272,17 +289,8 @@ def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
 
 
 def probe_verdict(probe: dict):
-    """The verdict on a stored `analyze` report (report.json), as judged by
-    build_report from the same numbers."""
-    tasks, pair = probe["tasks"], probe["pairwise"]
-    return judge(
-        [t["model"] for t in tasks],
-        [t["label"] for t in tasks],
-        [t["changed"] for t in tasks],
-        pair["intersection"],
-        pair["lift"],
-        [t["retention"]["ram"] for t in tasks],
-    )
+    """The verdict on a stored `analyze` report (report.json)."""
+    return judge(probe)
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from mergekit_ram.analysis.render import SHARE_HEADERS, Section, percent, share_cells
-from mergekit_ram.analysis.report import verdict_of
+from mergekit_ram.analysis.render import SHARE_HEADERS, percent, section, share_cells
+from mergekit_ram.analysis.report import Analysis, build_report
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
@@ -51,13 +51,18 @@ def card_section(
     """The section for whole-model statistics; `survival`: which share of
     each task's rescaled unique elements the rescale still changes in the
     written model; `shared` keeps the verdict from advising it again."""
+    # The verdict reads the report's numbers; the method name plays no part.
+    analysis = Analysis(
+        "ramplus", None, settings, stats, dict(scales), survival, shared
+    )
+    verdict = build_report(analysis)["verdict"]["sentence"]
     intro = (
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
         f"r = {settings.r:g}, {settings.rule.saturation_text()}) over "
         f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
         f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
         f"Full counts are in `{STATISTICS_FILE}`.\n\n"
-        f"**Verdict:** {verdict_of(stats, shared).sentence}"
+        f"**Verdict:** {verdict}"
     )
     lam = {task: f"{scales.get(task, 1.0):.4f}" for task in stats.tasks}
     return _section("RAM+ statistics", intro, stats.tasks, lam, survival)
@@ -98,6 +103,6 @@ def _section(
     if survival is not None and survival.lost():
         notes.append(survival.warning())
     headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
-    section = Section(title, notes, headers, rows, intro=[intro])
     # Unpadded: a card is read rendered, and its bytes are part of the merge's output.
-    return "\n".join(section.markdown(level=3, aligned=False)) + "\n"
+    lines = section(title, headers, rows, notes, [intro], level=3, aligned=False)
+    return "\n".join(lines) + "\n"

@@ -5,7 +5,6 @@ and the tables the model card and the demo share."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mergekit_ram.analysis.regime import METHODS
@@ -16,6 +15,8 @@ from mergekit_ram.integration.methods import is_ours
 
 # The per-agent columns every table of ours shows (card, demo, report).
 SHARE_HEADERS = ("changed", "unique", "shared", "ρ = S/U")
+
+Report = Mapping[str, Any]
 
 
 def percent(part: float, whole: float, digits: int = 2) -> str:
@@ -29,12 +30,8 @@ def share_cells(
     """An agent's changed share of all elements, its unique and shared
     shares of its changes, and ρ = S/U (∞ with shared but no unique)."""
     rho = "–" if not changed else "∞" if not unique else f"{shared / unique:.4f}"
-    return [
-        percent(changed, elements, digits),
-        percent(unique, changed, digits),
-        percent(shared, changed, digits),
-        rho,
-    ]
+    shares = [percent(part, changed, digits) for part in (unique, shared)]
+    return [percent(changed, elements, digits), *shares, rho]
 
 
 def markdown_table(
@@ -54,31 +51,28 @@ def markdown_table(
         return "| " + " | ".join(padded) + " |"
 
     rule = [
-        "-" * (w + 1) + (":" if i else "-") if aligned else "---"
-        for i, w in enumerate(widths)
+        "-" * (w + 1) + "-:"[i > 0] if aligned else "---" for i, w in enumerate(widths)
     ]
     return [line(table[0]), "|" + "|".join(rule) + "|", *map(line, table[1:])]
 
 
-@dataclass(frozen=True)
-class Section:
-    """A titled table, `notes` after it and `intro` before it."""
-
-    title: str
-    notes: Sequence[str]
-    headers: Sequence[Any]
-    rows: Sequence[Sequence[Any]]
-    intro: Sequence[str] = ()
-
-    def markdown(self, level: int = 2, aligned: bool = True) -> list[str]:
-        """A heading of `level`, then each paragraph and the table, blank-line apart."""
-        lines = ["", "#" * level + " " + self.title, ""]
-        for paragraph in self.intro:
-            lines += [paragraph, ""]
-        lines += markdown_table(self.headers, self.rows, aligned)
-        for paragraph in self.notes:
-            lines += ["", paragraph]
-        return lines
+def section(
+    title: str,
+    headers: Sequence[Any],
+    rows: Sequence[Sequence[Any]],
+    notes: Sequence[str],
+    intro: Sequence[str] = (),
+    level: int = 2,
+    aligned: bool = True,
+) -> list[str]:
+    """A heading of `level`, then `intro`, the table and `notes`, blank-line apart."""
+    lines = ["", "#" * level + " " + title, ""]
+    for paragraph in intro:
+        lines += [paragraph, ""]
+    lines += markdown_table(headers, rows, aligned)
+    for paragraph in notes:
+        lines += ["", paragraph]
+    return lines
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -89,10 +83,14 @@ def _share(value: float | None) -> str:
     return "–" if value is None else f"{100.0 * value:.1f} %"
 
 
-def _rule_text(settings: Mapping[str, Any]) -> str:
+def _rule_text(settings: Report) -> str:
     return ScaleRule(
         settings["r"], settings["alpha"], settings["saturation"]
     ).saturation_text()
+
+
+def _labels(report: Report) -> list[str]:
+    return [t["label"] for t in report["tasks"]]
 
 
 # What a pair's supports mean for RAM, said only for the kinds present.
@@ -109,6 +107,10 @@ LIFT_NOTES = {
     "nested": f"nested: at least {100 * NESTED:g} % of one agent's changes lie "
     "inside another's, so RAM averages nearly all of them.",
 }
+UNIQUE_NOTES = {
+    "below": "their changes pile up on elements other tasks change too",
+    "above": "their changes avoid the elements other tasks change",
+}
 
 
 def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -120,31 +122,36 @@ def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
         )
         if departure is not None:
             found[departure].append(t["label"])
-    why = {
-        "below": "their changes pile up on elements other tasks change too",
-        "above": "their changes avoid the elements other tasks change",
-    }
     return [
-        f"Far {d} expected for {', '.join(names)}: {why[d]}."
-        for d, names in found.items()
-        if names
+        f"Far {d} expected for {', '.join(found[d])}: {why}."
+        for d, why in UNIQUE_NOTES.items()
+        if found[d]
     ]
 
 
-def _per_task(report: Mapping[str, Any]) -> Section:
+def _per_task(report: Report) -> list[str]:
     rows = []
     for t in report["tasks"]:
         local = t["scale_tensor_local"]
         spread = "–"
         if local["min"] is not None:
-            spread = f"{local['unique_weighted_mean']:.4f} [{local['min']:.4f}, "
-            spread += f"{local['max']:.4f}]"
+            low, high = f"{local['min']:.4f}", f"{local['max']:.4f}"
+            spread = f"{local['unique_weighted_mean']:.4f} [{low}, {high}]"
         counts = [f"{t[k]:,}" for k in ("changed", "unique", "shared")]
         rho = "inf" if t["rho"] is None else f"{t['rho']:.4f}"
         scale = _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else "")
         unique = percent(t["unique"], t["changed"], 1)
-        changed = percent(t["changed"], t["elements"])
-        rows.append([t["label"], changed, *counts, unique, rho, scale, spread])
+        rows.append(
+            [
+                t["label"],
+                percent(t["changed"], t["elements"]),
+                *counts,
+                unique,
+                rho,
+                scale,
+                spread,
+            ]
+        )
     notes = [
         "changed % = share of all parameters; unique % = share of the task's "
         "changes no other task makes; rho = shared / unique.",
@@ -156,52 +163,47 @@ def _per_task(report: Mapping[str, Any]) -> Section:
     headers = (
         "task|changed %|changed|unique|shared|unique %|rho|λ global|λ tensor-local"
     )
-    return Section("Per task", notes, headers.split("|"), rows)
+    return section("Per task", headers.split("|"), rows, notes)
 
 
-def _k_way(report: Mapping[str, Any]) -> Section:
+def _k_way(report: Report) -> list[str]:
     n = len(report["tasks"])
-    headers = ["task"] + ["k=0 (unique)" if k == 0 else f"k={k}" for k in range(n)]
     rows = []
     for t in report["tasks"]:
         hist = (list(t["overlap_histogram"]) + [0] * n)[:n]
         rows.append(
             [t["label"]] + [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist]
         )
+    headers = ["task"] + ["k=0 (unique)" if k == 0 else f"k={k}" for k in range(n)]
     note = (
         "Each task's changed elements by how many other tasks change them too "
         "(share of the task's changes)."
     )
-    return Section("k-way overlap", [note], headers, rows)
+    return section("k-way overlap", headers, rows, [note])
 
 
-def _jaccard(report: Mapping[str, Any]) -> Section:
-    labels = [t["label"] for t in report["tasks"]]
+def _jaccard(report: Report) -> list[str]:
     rows = [
         [name] + [f"{v:.4f}" for v in row]
-        for name, row in zip(labels, report["pairwise"]["jaccard"])
+        for name, row in zip(_labels(report), report["pairwise"]["jaccard"])
     ]
     note = "|m_s ∧ m_t| / |m_s ∨ m_t| of the change masks."
-    return Section("Pairwise overlap (Jaccard)", [note], [""] + labels, rows)
+    return section("Pairwise overlap (Jaccard)", [""] + _labels(report), rows, [note])
 
 
-def _independent(report: Mapping[str, Any]) -> Section | None:
-    pair = report["pairwise"]
-    labels = [t["label"] for t in report["tasks"]]
-    rows = [
-        [
-            f"{labels[s]} × {labels[t]}",
-            f"{pair['intersection'][s][t]:,}",
-            f"{pair['expected_intersection'][s][t]:,.0f}",
-            _num(pair["lift"][s][t], 2),
-            f"{pair['jaccard'][s][t]:.4f}",
-            f"{pair['expected_jaccard'][s][t]:.4f}",
-        ]
-        for s in range(len(labels))
-        for t in range(s + 1, len(labels))
-    ]
-    if not rows:
-        return None
+def _independent(report: Report) -> list[str]:
+    pair, labels = report["pairwise"], _labels(report)
+    rows = []
+    for s in range(len(labels)):
+        for t in range(s + 1, len(labels)):
+            lift = _num(pair["lift"][s][t], 2)
+            counts = [
+                f"{pair['intersection'][s][t]:,}",
+                f"{pair['expected_intersection'][s][t]:,.0f}",
+                lift,
+            ]
+            jaccard = [f"{pair[k][s][t]:.4f}" for k in ("jaccard", "expected_jaccard")]
+            rows.append([f"{labels[s]} × {labels[t]}", *counts, *jaccard])
     found = {p["supports"] for p in report["verdict"]["pairs"]}
     notes = [
         "expected = Σ over tensors of n·d_s·d_t: the overlap of independent "
@@ -210,10 +212,14 @@ def _independent(report: Mapping[str, Any]) -> Section | None:
         *(note for kind, note in LIFT_NOTES.items() if kind in found),
     ]
     headers = ["pair", "overlap", "expected", "lift", "Jaccard", "expected J."]
-    return Section("Overlap against independent supports", notes, headers, rows)
+    return (
+        section("Overlap against independent supports", headers, rows, notes)
+        if rows
+        else []
+    )
 
 
-def _retention(report: Mapping[str, Any]) -> Section:
+def _retention(report: Report) -> list[str]:
     settings = report["retention"]
     methods = list(settings["methods"]) if settings else []
     rows = []
@@ -240,50 +246,51 @@ def _retention(report: Mapping[str, Any]) -> Section:
             "with weight 1/N, 1 per task."
         )
     headers = ["task", "unique %", "expected"] + [METHODS[m] for m in methods]
-    return Section("Unique share and retention", notes, headers, rows)
+    return section("Unique share and retention", headers, rows, notes)
 
 
-def _group_cells(entry: Mapping[str, Any], unique: bool = True) -> list[str]:
-    """Each task's changed share of a group's elements (and its unique share)."""
-    cells = []
-    for x in entry["tasks"]:
-        ours = f" ({percent(x['unique'], x['changed'], 0)} unique)" if unique else ""
-        cells.append(percent(x["changed"], entry["elements"]) + ours)
-    return cells
+def _grouped(report: Report, field: str, detail: bool) -> list[list[str]]:
+    """Per group of tensors: its size, and each task's changed share of its
+    elements; `detail`: its tensors, and the unique share of those changes."""
+    rows = []
+    for e in report[f"per_{field}"]:
+        cells = []
+        for x in e["tasks"]:
+            ours = (
+                f" ({percent(x['unique'], x['changed'], 0)} unique)" if detail else ""
+            )
+            cells.append(percent(x["changed"], e["elements"]) + ours)
+        tensors = [str(e["tensors"])] if detail else []
+        rows.append([str(e[field]), *tensors, f"{e['elements']:,}", *cells])
+    return rows
 
 
-def _per_module(report: Mapping[str, Any]) -> Section:
-    rows = [
-        [e["module"], str(e["tensors"]), f"{e['elements']:,}", *_group_cells(e)]
-        for e in report["per_module"]
-    ]
+def _per_module(report: Report) -> list[str]:
     note = (
         "Share of the module's parameters each task changes (and the unique "
         "share of those changes)."
     )
-    headers = ["module", "tensors", "elements"] + [t["label"] for t in report["tasks"]]
-    return Section("Per module", [note], headers, rows)
+    headers = ["module", "tensors", "elements"] + _labels(report)
+    return section("Per module", headers, _grouped(report, "module", True), [note])
 
 
-def _per_layer(report: Mapping[str, Any]) -> Section | None:
-    rows = [
-        [str(e["layer"]), f"{e['elements']:,}", *_group_cells(e, False)]
-        for e in report["per_layer"]
-    ]
+def _per_layer(report: Report) -> list[str]:
+    rows = _grouped(report, "layer", False)
     note = "Share of each layer's parameters the task changes."
-    headers = ["layer", "elements"] + [t["label"] for t in report["tasks"]]
-    return Section("Per layer", [note], headers, rows) if rows else None
+    return (
+        section("Per layer", ["layer", "elements"] + _labels(report), rows, [note])
+        if rows
+        else []
+    )
 
 
-def _sweep(report: Mapping[str, Any]) -> Section | None:
-    if not report["sweep"]:
-        return None
-    tasks = report["tasks"]
+def _sweep(report: Report) -> list[str]:
     rows = []
     for s in report["sweep"]:
         local = s["scale_tensor_local"]
         lams = [
-            f"{s['scale'][t['model']]:.4f} / {_num(local[t['model']])}" for t in tasks
+            f"{s['scale'][t['model']]:.4f} / {_num(local[t['model']])}"
+            for t in report["tasks"]
         ]
         rows.append([f"{s['r']:g}", *lams])
     notes = [
@@ -295,14 +302,12 @@ def _sweep(report: Mapping[str, Any]) -> Section | None:
             "r = 0 in this configuration (RAM: every λ is 1); the sweep "
             f"shows RAM+ at the paper's r = {PAPER_R:g}. Try --r 0,0.05,0.1,0.2."
         )
-    return Section("λ sweep over r", notes, ["r"] + [t["label"] for t in tasks], rows)
+    return (
+        section("λ sweep over r", ["r"] + _labels(report), rows, notes) if rows else []
+    )
 
 
-SECTIONS = (_per_task, _k_way, _jaccard, _independent, _retention)
-SECTIONS += (_per_module, _per_layer, _sweep)
-
-
-def render_markdown(report: Mapping[str, Any]) -> str:
+def render_markdown(report: Report) -> str:
     """The report (report.json's document) as Markdown: what was measured,
     the verdict, each table with its notes, and each model's label."""
     lines = [
@@ -319,8 +324,17 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             "Not a ram/ramplus configuration: λ uses the paper's RAM+ defaults.  "
         )
     lines += ["", f"**Verdict:** {report['verdict']['sentence']}"]
-    for section in filter(None, (make(report) for make in SECTIONS)):
-        lines += section.markdown()
+    for part in (
+        _per_task,
+        _k_way,
+        _jaccard,
+        _independent,
+        _retention,
+        _per_module,
+        _per_layer,
+        _sweep,
+    ):
+        lines += part(report)
     lines += ["", "## Models", ""] + [
         f"- {t['label']}: `{t['model']}`" for t in report["tasks"]
     ]

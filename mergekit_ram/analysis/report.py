@@ -8,6 +8,7 @@ renderings and figures read, so that what is shown is what is written.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from mergekit_ram.analysis.regime import (
     ratio,
     retentions,
 )
-from mergekit_ram.analysis.verdict import Verdict, judge
+from mergekit_ram.analysis.verdict import judge
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
 from mergekit_ram.core.naming import MODULES, module_of
 from mergekit_ram.core.scale import ScaleRule
@@ -77,30 +78,6 @@ def labels_for(models: Sequence[str]) -> dict[str, str]:
     return short if len(set(short.values())) == len(short) else {m: m for m in models}
 
 
-def verdict_of(stats: OverlapStatistics, shared: str | None = None) -> Verdict:
-    """The verdict on counted statistics; without inner products (a merge's
-    own pass) it cannot say which agent RAM dilutes."""
-    ids = list(stats.tasks)
-    models = [str(i) for i in ids]
-    labels = labels_for(models)
-    pair = pairwise(stats, ids)
-    kept = None
-    if stats.inner_products:
-        ram = retentions(((p, {}) for p in stats.products.values()), ids)["ram"]
-        kept = [ram[i] for i in ids]
-    changed = [stats.tasks[i].changed for i in ids]
-    return judge(
-        models,
-        [labels[m] for m in models],
-        changed,
-        pair["intersection"],
-        pair["lift"],
-        kept,
-        epsilon=stats.epsilon,
-        shared=shared,
-    )
-
-
 def tensor_local_scales(
     stats: OverlapStatistics, task: Hashable, rule: ScaleRule
 ) -> dict[str, Any]:
@@ -123,42 +100,34 @@ def tensor_local_scales(
     )
 
 
-def retention_rule(settings: MergeSettings) -> ScaleRule:
-    """The RAM+ rule retention is computed for: the configuration's, or the
-    paper's r where the configuration has r = 0 (RAM+ would equal RAM)."""
-    if settings.r > 0:
-        return settings.rule
-    return ScaleRule(r=PAPER_R, alpha=settings.alpha, saturation=settings.saturation)
-
-
 def retention(analysis: Analysis, explicit: dict[Hashable, float]) -> dict | None:
-    """Per task, its retention under each method of METHODS, RAM+ with
-    retention_rule's λ in the configuration's statistics scope (an explicit
-    unique_scale instead where set); None without inner products."""
+    """Per task, its retention under each method of METHODS, RAM+ with the
+    configuration's λ (the paper's r where it has r = 0, where RAM+ would be
+    RAM) in its statistics scope, an explicit unique_scale instead where set;
+    None without inner products."""
     stats = analysis.stats
     if not stats.inner_products:
         return None
-    rule = retention_rule(analysis.settings)
+    rule = retention_settings(analysis.settings).rule
     ids = list(stats.tasks)
     if analysis.settings.statistics == "tensor":
-        groups = [
-            (
-                products,
-                {
-                    **{
-                        t: rule.scale(c.shared, c.unique)
-                        for t, c in stats.per_tensor[name].items()
-                    },
-                    **explicit,
-                },
-            )
-            for name, products in stats.products.items()
-        ]
+        groups = []
+        for name, products in stats.products.items():
+            local = {
+                t: rule.scale(c.shared, c.unique)
+                for t, c in stats.per_tensor[name].items()
+            }
+            groups.append((products, local | explicit))
     else:
         scales = stats.scales(rule, explicit)
         groups = [(products, scales) for products in stats.products.values()]
     by_method = retentions(groups, ids)
     return {t: {m: values[t] for m, values in by_method.items()} for t in ids}
+
+
+def retention_settings(settings: MergeSettings) -> MergeSettings:
+    """The settings retention's RAM+ uses: the paper's r where r = 0."""
+    return dataclasses.replace(settings, r=settings.r or PAPER_R)
 
 
 def _grouped(
@@ -182,24 +151,17 @@ def _grouped(
             add_histogram(
                 entry[2].setdefault(task_id, TaskCounts()).histogram, counts.histogram
             )
-    return [
-        {
-            field: group,
-            "tensors": tensors,
-            "elements": elements,
-            "tasks": [
-                {
-                    "model": str(i),
-                    "changed": c.changed,
-                    "shared": c.shared,
-                    "unique": c.unique,
-                }
-                for i, c in counts.items()
-            ],
-        }
-        for group in sorted(groups, key=order)
-        for tensors, elements, counts in [groups[group]]
-    ]
+    out = []
+    for group in sorted(groups, key=order):
+        tensors, elements, counts = groups[group]
+        tasks = [
+            dict(model=str(i), changed=c.changed, shared=c.shared, unique=c.unique)
+            for i, c in counts.items()
+        ]
+        out.append(
+            {field: group, "tensors": tensors, "elements": elements, "tasks": tasks}
+        )
+    return out
 
 
 def build_report(
@@ -250,8 +212,9 @@ def build_report(
                 },
             }
         )
-    plus = retention_rule(settings)
-    return {
+    plus = retention_settings(settings).as_dict()
+    del plus["epsilon"]
+    report = {
         "schema_version": SCHEMA_VERSION,
         "method": analysis.method,
         "base_model": analysis.base_model,
@@ -264,13 +227,8 @@ def build_report(
         if kept is None
         else {
             "methods": list(METHODS),
-            "ramplus": {
-                "r": plus.r,
-                "alpha": plus.alpha,
-                "saturation": plus.saturation,
-                "statistics": settings.statistics,
-            },
+            "ramplus": plus,
             "ta_mean_weight": 1.0 / len(ids) if ids else None,
         },
-        "verdict": verdict_of(stats, analysis.shared).as_dict(),
     }
+    return report | {"verdict": judge(report, analysis.shared).as_dict()}

@@ -110,29 +110,22 @@ def unique_share_departure(
     return "above" if observed >= expected * OVERLAPPING else None
 
 
-def judge(
-    models: Sequence[str],
-    labels: Sequence[str],
-    changed: Sequence[int],
-    intersection: Sequence[Sequence[float]],
-    lift: Sequence[Sequence[float | None]],
-    kept: Sequence[float | None] | None,
-    *,
-    epsilon: float | None = None,
-    shared: str | None = None,
-) -> Verdict:
-    """The verdict on task models with these counts.
-
-    `intersection` / `lift`: each pair's observed overlap and its ratio to
-    independent supports' (report.json `pairwise`); `kept`: each model's
-    retention under RAM, None where not computed (a merge without inner
-    products); `epsilon`: quoted when some model changes nothing; `shared`:
-    the configuration's `shared` mode (None: unknown or varying per tensor).
-    """
-    label = dict(zip(models, labels))
+def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
+    """The verdict on a report's numbers (report.json without `verdict`):
+    each task's changes, each pair's overlap and lift, each task's retention
+    under RAM where computed (not after a merge's own pass); `shared`: the
+    configuration's `shared` mode (None: unknown or varying per tensor)."""
+    tasks, pair = report["tasks"], report["pairwise"]
+    intersection, lift = pair["intersection"], pair["lift"]
+    models = [t["model"] for t in tasks]
+    label = {t["model"]: t["label"] for t in tasks}
+    changed = [t["changed"] for t in tasks]
+    kept = (
+        None if report["retention"] is None else [t["retention"]["ram"] for t in tasks]
+    )
     active = [m for m, c in zip(models, changed) if c > 0]
     idle = [label[m] for m, c in zip(models, changed) if c == 0]
-    above = "above epsilon" if epsilon is None else f"above epsilon ({epsilon:g})"
+    above = f"above epsilon ({report['epsilon']:g})"
     nothing = "changes nothing" if len(idle) == 1 else "change nothing"
     if not active:
         who = (
