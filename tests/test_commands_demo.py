@@ -64,14 +64,14 @@ def test_run_demo_in_a_temporary_directory(capsys, monkeypatch, tmp_path):
     merged = run_demo()
     assert merged.startswith(str(tmp_path))
     assert os.path.exists(os.path.join(merged, "config.json"))
-    assert "Whole-model statistics" in capsys.readouterr().out
+    assert "Whole-model overlap statistics" in capsys.readouterr().out
 
 
 def test_cli_demo_without_out_removes_its_folder(monkeypatch, tmp_path):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     result = CliRunner().invoke(main, ["demo"])
     assert result.exit_code == 0, result.output
-    assert "Whole-model statistics" in result.output
+    assert "Whole-model overlap statistics" in result.output
     assert f"Removed {tmp_path}" in result.output
     assert os.listdir(tmp_path) == []
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from mergekit_ram.analysis.render import SHARE_HEADERS, percent, section, share_cells
+from mergekit_ram.analysis.render import percent, section
 from mergekit_ram.analysis.report import Analysis, build_report
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
 from mergekit_ram.core.settings import MergeSettings
@@ -86,6 +86,14 @@ def local_card_section(local: LocalScales, survival: SurvivalTally | None) -> st
     return _section("RAM+ statistics (tensor-local)", intro, local.tasks, lam, survival)
 
 
+def share_cells(elements: int, changed: int, unique: int, shared: int) -> list[str]:
+    """An agent's changed share of all elements, its unique and shared
+    shares of its changes, and ρ = S/U (∞ with shared but no unique)."""
+    rho = "–" if not changed else "∞" if not unique else f"{shared / unique:.4f}"
+    shares = [percent(part, changed) for part in (unique, shared)]
+    return [percent(changed, elements), *shares, rho]
+
+
 def _section(
     title: str,
     intro: str,
@@ -102,7 +110,7 @@ def _section(
     notes = ["\n".join(CARD_LEGEND)]
     if survival is not None and survival.lost():
         notes.append(survival.warning())
-    headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
+    headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ", "λ survives"]
     # Unpadded: a card is read rendered, and its bytes are part of the merge's output.
     lines = section(title, headers, rows, notes, [intro], level=3, aligned=False)
     return "\n".join(lines) + "\n"

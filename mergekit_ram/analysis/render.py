@@ -1,6 +1,6 @@
 """The analysis report as Markdown: one rendering for the terminal and
 report.md (its tables padded so that they read as columns in a terminal),
-and the tables the model card and the demo share."""
+and the tables the model card shares."""
 
 from __future__ import annotations
 
@@ -13,25 +13,12 @@ from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING, unique_share_depa
 from mergekit_ram.core.scale import ScaleRule
 from mergekit_ram.integration.methods import is_ours
 
-# The per-agent columns every table of ours shows (card, demo, report).
-SHARE_HEADERS = ("changed", "unique", "shared", "ρ = S/U")
-
 Report = Mapping[str, Any]
 
 
 def percent(part: float, whole: float, digits: int = 2) -> str:
     """`part` as a percentage of `whole`, or a dash when `whole` is 0."""
     return f"{100.0 * part / whole:.{digits}f} %" if whole else "–"
-
-
-def share_cells(
-    elements: int, changed: int, unique: int, shared: int, digits: int = 2
-) -> list[str]:
-    """An agent's changed share of all elements, its unique and shared
-    shares of its changes, and ρ = S/U (∞ with shared but no unique)."""
-    rho = "–" if not changed else "∞" if not unique else f"{shared / unique:.4f}"
-    shares = [percent(part, changed, digits) for part in (unique, shared)]
-    return [percent(changed, elements, digits), *shares, rho]
 
 
 def markdown_table(
@@ -44,15 +31,11 @@ def markdown_table(
     widths = [max(3, *map(len, column)) if aligned else 0 for column in zip(*table)]
 
     def line(cells: Sequence[str]) -> str:
-        padded = [
-            c.rjust(w) if i else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths))
-        ]
-        return "| " + " | ".join(padded) + " |"
+        first, *rest = [c.rjust(w) for c, w in zip(cells, widths)]
+        return "| " + " | ".join([cells[0].ljust(widths[0]), *rest]) + " |"
 
-    rule = [
-        "-" * (w + 1) + "-:"[i > 0] if aligned else "---" for i, w in enumerate(widths)
-    ]
+    rule = ["-" * (w + 1) + ":" if aligned else "---" for w in widths]
+    rule[0] = rule[0].replace(":", "-")
     return [line(table[0]), "|" + "|".join(rule) + "|", *map(line, table[1:])]
 
 
@@ -141,17 +124,8 @@ def _per_task(report: Report) -> list[str]:
         rho = "inf" if t["rho"] is None else f"{t['rho']:.4f}"
         scale = _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else "")
         unique = percent(t["unique"], t["changed"], 1)
-        rows.append(
-            [
-                t["label"],
-                percent(t["changed"], t["elements"]),
-                *counts,
-                unique,
-                rho,
-                scale,
-                spread,
-            ]
-        )
+        row = [t["label"], percent(t["changed"], t["elements"]), *counts]
+        rows.append([*row, unique, rho, scale, spread])
     notes = [
         "changed % = share of all parameters; unique % = share of the task's "
         "changes no other task makes; rho = shared / unique.",
