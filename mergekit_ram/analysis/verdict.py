@@ -70,22 +70,18 @@ class PairSupports:
 class Verdict:
     """The verdict's findings and its sentence (report.json `verdict`)."""
 
-    supports: str | None
-    pairs: tuple[PairSupports, ...]
-    diluted: tuple[str, ...]
     sentence: str
+    supports: str | None = None
+    pairs: tuple[PairSupports, ...] = ()
+    diluted: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         pairs = [
-            {"models": list(p.models), "supports": p.supports, "inside": p.inside}
+            dict(models=list(p.models), supports=p.supports, inside=p.inside)
             for p in self.pairs
         ]
-        return {
-            "sentence": self.sentence,
-            "supports": self.supports,
-            "diluted": list(self.diluted),
-            "pairs": pairs,
-        }
+        found = dict(sentence=self.sentence, supports=self.supports)
+        return found | dict(diluted=list(self.diluted), pairs=pairs)
 
 
 def pair_supports(lift: float | None, inside: float) -> str:
@@ -116,65 +112,56 @@ def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
     under RAM where computed (not after a merge's own pass); `shared`: the
     configuration's `shared` mode (None: unknown or varying per tensor)."""
     tasks, pair = report["tasks"], report["pairwise"]
-    intersection, lift = pair["intersection"], pair["lift"]
     models = [t["model"] for t in tasks]
     label = {t["model"]: t["label"] for t in tasks}
-    changed = [t["changed"] for t in tasks]
-    kept = (
-        None if report["retention"] is None else [t["retention"]["ram"] for t in tasks]
-    )
-    active = [m for m, c in zip(models, changed) if c > 0]
-    idle = [label[m] for m, c in zip(models, changed) if c == 0]
+    size = {t["model"]: t["changed"] for t in tasks}
+    active = [m for m in models if size[m] > 0]
+    idle = [label[m] for m in models if size[m] == 0]
     above = f"above epsilon ({report['epsilon']:g})"
-    nothing = "changes nothing" if len(idle) == 1 else "change nothing"
+    nothing = (
+        ["change nothing", "add"] if len(idle) != 1 else ["changes nothing", "adds"]
+    )
+    one = len(models) == 1
     if not active:
-        who = (
-            "the task model changes no"
-            if len(models) == 1
-            else "no task model changes any"
-        )
-        copies = "model is not a copy" if len(models) == 1 else "models are not copies"
-        sentence = (
+        who = "the task model changes no" if one else "no task model changes any"
+        copies = "model is not a copy" if one else "models are not copies"
+        return Verdict(
             f"{who} element {above}, so there is nothing to merge and RAM returns "
             "the base model; if epsilon is larger than the fine-tuning's changes, "
             f"lower `epsilon`, else check that the task {copies} of the base."
         )
-        return Verdict(None, (), (), sentence)
-    if len(models) < 2:
-        return Verdict(None, (), (), ONE_MODEL)
+    if one:
+        return Verdict(ONE_MODEL)
     if len(active) == 1:
         name = label[active[0]]
-        sentence = (
-            f"only {name} changes anything {above}; {_names(idle)} {nothing}: "
+        return Verdict(
+            f"only {name} changes anything {above}; {_names(idle)} {nothing[0]}: "
             f"there is nothing for RAM to average, so it adds {name}'s task "
             "vector whole, as task arithmetic with weight 1 does."
         )
-        return Verdict(None, (), (), sentence)
     pairs = []
-    for s in range(len(models)):
-        for t in range(s + 1, len(models)):
-            smaller = min(changed[s], changed[t])
+    for s, a in enumerate(models):
+        for t, b in enumerate(models[s + 1 :], s + 1):
+            smaller = min(size[a], size[b])
             if smaller:  # a model that changes nothing overlaps no one
-                inside = intersection[s][t] / smaller
-                kind = pair_supports(lift[s][t], inside)
+                inside, lift = pair["intersection"][s][t] / smaller, pair["lift"][s][t]
                 pairs.append(
-                    PairSupports((models[s], models[t]), kind, lift[s][t], inside)
+                    PairSupports((a, b), pair_supports(lift, inside), lift, inside)
                 )
     supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
-    live = None if kept is None else [k for k, c in zip(kept, changed) if c > 0]
-    diluted, dilution = _dilution(active, label, live, idle=bool(idle))
-    adds = "adds" if len(idle) == 1 else "add"
-    clauses = [
-        _supports_clause(pairs, label, dict(zip(models, changed))),
-        *(
-            [f"{_names(idle)} {nothing} {above} and {adds} nothing to the merge"]
-            if idle
-            else []
-        ),
-        dilution,
-        _advice(supports, len(diluted) == 1, shared),
-    ]
-    return Verdict(supports, tuple(pairs), diluted, "; ".join(clauses) + ".")
+    kept = None
+    if report["retention"] is not None:
+        kept = {t["model"]: t["retention"]["ram"] for t in tasks if t["changed"]}
+    diluted, dilution = _dilution(
+        kept, label, every="every other agent" if idle else "every agent"
+    )
+    clauses = [_supports_clause(pairs, label, size)]
+    if idle:
+        clauses.append(
+            f"{_names(idle)} {nothing[0]} {above} and {nothing[1]} nothing to the merge"
+        )
+    clauses += [dilution, _advice(supports, len(diluted) == 1, shared)]
+    return Verdict("; ".join(clauses) + ".", supports, tuple(pairs), diluted)
 
 
 def _span(values: Sequence[float], digits: int = 2) -> str:
@@ -224,20 +211,16 @@ def _supports_clause(
 
 
 def _dilution(
-    models: Sequence[str],
-    label: Mapping,
-    kept: Sequence[float | None] | None,
-    idle: bool,
+    kept: Mapping[str, float | None] | None, label: Mapping, every: str
 ) -> tuple[tuple[str, ...], str]:
-    """(the models RAM dilutes most, lowest retention first; the clause).
-    `idle`: some model that changes nothing was left out ("every other agent")."""
-    every = "every other agent" if idle else "every agent"
+    """(the models RAM dilutes most, lowest retention first; the clause), from
+    the RAM retention of each model that changes something."""
     if kept is None:
         return (), (
             "to see which agent RAM would dilute, run mergekit-ram analyze on "
             "this configuration"
         )
-    known = {m: k for m, k in zip(models, kept) if k is not None}
+    known = {m: k for m, k in kept.items() if k is not None}
     if not known:
         return (), "no agent changes anything RAM could dilute"
     lowest = min(known.values())
@@ -247,29 +230,22 @@ def _dilution(
             f"(retention {_span(list(known.values()))})"
         )
     limit = lowest / ALONE if lowest > 0 else lowest
-    diluted = sorted(
-        (m for m, k in known.items() if k <= limit and k < KEPT_WHOLE),
-        key=known.__getitem__,
-    )
+    diluted = [m for m, k in known.items() if k <= limit and k < KEPT_WHOLE]
+    diluted.sort(key=known.__getitem__)
     others = [k for m, k in known.items() if m not in diluted]
-    rest = (
-        f", the {'other' if len(others) == 1 else 'others'} {_span(others)}"
-        if others
-        else ""
-    )
+    rest = ""
+    if others:
+        rest = f", the {'other' if len(others) == 1 else 'others'} {_span(others)}"
     if len(diluted) == 1:
-        clause = (
+        return tuple(diluted), (
             f"RAM would dilute {label[diluted[0]]} (it keeps {lowest:.2f} of its "
             f"task vector{rest})"
         )
-    else:
-        who = every if not others else _names([label[m] for m in diluted])
-        share = _span([known[m] for m in diluted])
-        clause = (
-            f"RAM would dilute {who} about equally (retention {share}{rest}), "
-            f"{label[diluted[0]]} most"
-        )
-    return tuple(diluted), clause
+    who = _names([label[m] for m in diluted]) if others else every
+    return tuple(diluted), (
+        f"RAM would dilute {who} about equally (retention "
+        f"{_span([known[m] for m in diluted])}{rest}), {label[diluted[0]]} most"
+    )
 
 
 def _advice(supports: str, alone: bool, shared: str | None) -> str:
