@@ -19,8 +19,7 @@ import torch
 
 from mergekit_ram.analysis.regime import (
     METHODS,
-    expected_intersections,
-    expected_unique,
+    expected,
     jaccard,
     ratio,
     retentions,
@@ -153,11 +152,11 @@ def test_retention_equals_dense_merges(r, alpha, saturation, statistics):
         base, tasks, r=r, alpha=alpha, saturation=saturation, statistics=statistics
     )
     for method, vector in merged.items():
-        expected = dense_retention(base, tasks, vector)
-        assert [ours[method][i] for i in IDS] == pytest.approx(expected, rel=1e-5)
+        want = dense_retention(base, tasks, vector)
+        assert [ours[method][i] for i in IDS] == pytest.approx(want, rel=1e-5)
         # The sub-threshold values matter here: a masked τ_t would be wrong.
         shortcut = dense_retention(base, tasks, vector, full=False)
-        assert max(abs(a / b - 1) for a, b in zip(shortcut, expected)) > 1e-3
+        assert max(abs(a / b - 1) for a, b in zip(shortcut, want)) > 1e-3
     # RAM keeps more of each task than averaging; RAM+ more than RAM.
     for i in IDS:
         assert ours["ramplus"][i] > ours["ram"][i] > ours["ta_mean"][i]
@@ -212,14 +211,14 @@ def test_expectations_are_means_over_independent_supports():
                 alone[s] += len(supports[s] - others) / len(outcomes)
                 for t in range(3):
                     inter[s][t] += len(supports[s] & supports[t]) / len(outcomes)
-    expected = expected_intersections(tensors, 3)
-    for row, want in zip(expected, inter):
+    inter_e, alone_e = expected(tensors, 3)
+    for row, want in zip(inter_e, inter):
         assert row == pytest.approx(want, rel=1e-12)
-    assert expected_unique(tensors, 3) == pytest.approx(alone, rel=1e-12)
+    assert alone_e == pytest.approx(alone, rel=1e-12)
     # Per tensor, not whole model: the whole-model formula differs here.
     total = sum(n for n, _ in tensors)
     changed = [sum(sizes[t] for _, sizes in tensors) for t in range(3)]
-    assert expected[0][1] != pytest.approx(changed[0] * changed[1] / total)
+    assert inter_e[0][1] != pytest.approx(changed[0] * changed[1] / total)
 
 
 def test_ratio_and_jaccard_edges():

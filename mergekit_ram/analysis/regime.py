@@ -40,33 +40,25 @@ def changed_per_tensor(
     return groups
 
 
-def expected_intersections(groups: Groups, tasks: int) -> list[list[float]]:
-    """E[s][t] = Σ_k C_s,k · C_t,k / n_k (the diagonal: C_t): the expected
-    |m_s ∧ m_t| if every task changed a uniformly random subset of each
-    tensor with its observed density, independently of the others."""
-    expected = [[0.0] * tasks for _ in range(tasks)]
+def expected(groups: Groups, tasks: int) -> tuple[list[list[float]], list[float]]:
+    """What independent supports would give, if every task changed a
+    uniformly random subset of each tensor with its observed density:
+    E[s][t] = Σ_k C_s,k · C_t,k / n_k, the expected |m_s ∧ m_t| (the
+    diagonal: C_t), and Σ_k C_t,k · Π_{s≠t} (1 − C_s,k / n_k), task t's
+    expected unique elements."""
+    inter = [[0.0] * tasks for _ in range(tasks)]
+    unique = [0.0] * tasks
     for elements, changed in groups:
         for s in range(tasks):
+            alone = float(changed[s])
             for t in range(tasks):
                 if s == t:
-                    expected[s][t] += changed[s]
+                    inter[s][t] += changed[s]
                 else:
-                    expected[s][t] += changed[s] * changed[t] / elements
-    return expected
-
-
-def expected_unique(groups: Groups, tasks: int) -> list[float]:
-    """Σ_k C_t,k · Π_{s≠t} (1 − C_s,k / n_k): task t's unique elements
-    expected under the same independence."""
-    expected = [0.0] * tasks
-    for elements, changed in groups:
-        for t in range(tasks):
-            alone = float(changed[t])
-            for s in range(tasks):
-                if s != t:
-                    alone *= 1.0 - changed[s] / elements
-            expected[t] += alone
-    return expected
+                    inter[s][t] += changed[s] * changed[t] / elements
+                    alone *= 1.0 - changed[t] / elements
+            unique[s] += alone
+    return inter, unique
 
 
 def ratio(observed: float, expected: float) -> float | None:
@@ -81,9 +73,12 @@ def jaccard(intersection: float, changed_s: float, changed_t: float) -> float:
     return intersection / union if union else 0.0
 
 
-def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any]:
+def pairwise(
+    stats: OverlapStatistics, ids: Sequence[Hashable], expected: list[list[float]]
+) -> dict[str, Any]:
     """report.json `pairwise`: N×N intersections |m_s ∧ m_t| and Jaccard
-    overlaps in `ids` order, beside what independent supports would give."""
+    overlaps in `ids` order, beside what independent supports would give
+    (`expected`, the intersections of `expected`)."""
     n = len(ids)
     changed = [stats.tasks[i].changed for i in ids]
     inter = [
@@ -93,7 +88,6 @@ def pairwise(stats: OverlapStatistics, ids: Sequence[Hashable]) -> dict[str, Any
         ]
         for s, a in enumerate(ids)
     ]
-    expected = expected_intersections(changed_per_tensor(stats, ids), n)
 
     def matrix(cell: Any) -> list[list[Any]]:
         return [[cell(s, t) for t in range(n)] for s in range(n)]

@@ -17,7 +17,7 @@ from typing import Any
 from mergekit_ram.analysis.regime import (
     METHODS,
     changed_per_tensor,
-    expected_unique,
+    expected,
     pairwise,
     ratio,
     retentions,
@@ -184,7 +184,7 @@ def build_report(
         i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
     }
     kept = retention(analysis, explicit)
-    alone = expected_unique(changed_per_tensor(stats, ids), len(ids))
+    independent, alone = expected(changed_per_tensor(stats, ids), len(ids))
     for row, task_id, unique in zip(document["tasks"], ids, alone):
         local = tensor_local_scales(stats, task_id, rule)
         if task_id in explicit:
@@ -219,7 +219,7 @@ def build_report(
         "method": analysis.method,
         "base_model": analysis.base_model,
         **document,
-        "pairwise": pairwise(stats, ids),
+        "pairwise": pairwise(stats, ids, independent),
         "per_module": _grouped(stats, ids, module_of, "module", MODULES.index),
         "per_layer": _grouped(stats, ids, layer_of, "layer"),
         "sweep": sweeps,
