@@ -31,7 +31,6 @@ from mergekit_ram.commands.cli import main
 from mergekit_ram.commands.merge_cli import parse_r_values
 from mergekit_ram.commands.report_files import REPORT_JSON
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
-from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.naming import MODULES, module_of
 
 EPSILON = 1e-5
@@ -42,58 +41,6 @@ AGENTS = (
     AgentSpec("search", 0.15),
 )
 NAMES = [a.name for a in AGENTS]
-TASK_KEYS = {
-    # ram_statistics.json's fields ...
-    "model": str,
-    "elements": int,
-    "changed": int,
-    "shared": int,
-    "unique": int,
-    "overlap_histogram": list,
-    "rho": (float, int, type(None)),
-    "scale": (float, int),
-    "rescaled": (int, type(None)),
-    "rescale_survived": (int, type(None)),
-    # ... and the report's additions.
-    "label": str,
-    "scale_explicit": bool,
-    "scale_tensor_local": dict,
-    "unique_share": (float, type(None)),
-    "expected_unique_share": (float, type(None)),
-    "retention": (dict, type(None)),
-}
-TOP_KEYS = {
-    "schema_version": int,
-    "method": str,
-    "base_model": str,
-    "epsilon": float,
-    "r": (float, int),
-    "alpha": (float, int),
-    "saturation": str,
-    "statistics": str,
-    "num_tensors": int,
-    "num_elements": int,
-    "seconds": (float, int),
-    "tasks": list,
-    "written_dtypes": (list, type(None)),
-    "pairwise": dict,
-    "per_module": list,
-    "per_layer": list,
-    "sweep": list,
-    "retention": (dict, type(None)),
-    "verdict": dict,
-}
-LOCAL_KEYS = {"mean", "unique_weighted_mean", "min", "max", "tensors"}
-PAIR_KEYS = {
-    "models",
-    "intersection",
-    "jaccard",
-    "expected_intersection",
-    "lift",
-    "expected_jaccard",
-}
-RETENTION_KEYS = {"methods", "ramplus", "ta_mean_weight"}
-VERDICT_KEYS = {"sentence", "supports", "diluted", "pairs"}
 METHODS = ["ram", "ramplus", "ta_mean", "ta_sum"]
 
 
@@ -433,68 +380,30 @@ def test_integer_only_models_are_one_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def check_type(value, types, where):
-    assert isinstance(value, types), f"{where}: {type(value).__name__}"
-    if types in (int, float) or types == (float, int):
-        assert not isinstance(value, bool), where
-
-
 def test_report_json_schema(analyzed, merged):
-    _config, out, _output, report = analyzed
-    assert list(report) == list(TOP_KEYS)
-    for key, types in TOP_KEYS.items():
-        check_type(report[key], types, key)
+    """What docs/report_schema.md's tables leave unsaid: sizes, ranges, the
+    verdict's references, and the fields only a merge counts."""
+    _config, _out, _output, report = analyzed
     assert report["schema_version"] == SCHEMA_VERSION == 1
     n = len(report["tasks"])
     for task in report["tasks"]:
-        assert set(task) == set(TASK_KEYS)
-        for key, types in TASK_KEYS.items():
-            check_type(task[key], types, f"tasks.{key}")
         assert len(task["overlap_histogram"]) == n
-        assert all(type(v) is int for v in task["overlap_histogram"])
-        assert set(task["scale_tensor_local"]) == LOCAL_KEYS
+        assert list(task["retention"]) == METHODS
     pair = report["pairwise"]
-    assert set(pair) == PAIR_KEYS
-    for key in PAIR_KEYS - {"models"}:
+    for key in set(pair) - {"models"}:
         assert len(pair[key]) == n and all(len(row) == n for row in pair[key])
     for key in ("jaccard", "expected_jaccard"):
         assert all(0.0 <= v <= 1.0 for row in pair[key] for v in row)
-    assert all(type(v) is float for row in pair["lift"] for v in row)
-    assert set(report["retention"]) == RETENTION_KEYS
     assert report["retention"]["methods"] == METHODS
-    assert set(report["retention"]["ramplus"]) == {
-        "r",
-        "alpha",
-        "saturation",
-        "statistics",
-    }
-    for task in report["tasks"]:
-        assert list(task["retention"]) == METHODS
-        assert all(type(v) is float for v in task["retention"].values())
     verdict = report["verdict"]
-    assert set(verdict) == VERDICT_KEYS
-    assert isinstance(verdict["sentence"], str) and verdict["sentence"]
     assert verdict["supports"] in {"independent", "overlapping", "nested", "disjoint"}
     assert set(verdict["diluted"]) <= {t["model"] for t in report["tasks"]}
     assert len(verdict["pairs"]) == n * (n - 1) // 2
-    for entry in verdict["pairs"]:
-        assert set(entry) == {"models", "supports", "inside"}
-        assert 0.0 <= entry["inside"] <= 1.0
-    for group, field in (("per_module", "module"), ("per_layer", "layer")):
-        for entry in report[group]:
-            assert set(entry) == {field, "tensors", "elements", "tasks"}
-            for row in entry["tasks"]:
-                assert set(row) == {"model", "changed", "shared", "unique"}
-                assert all(type(row[k]) is int for k in ("changed", "shared", "unique"))
+    assert all(0.0 <= entry["inside"] <= 1.0 for entry in verdict["pairs"])
     assert {e["module"] for e in report["per_module"]} <= set(MODULES)
-    for entry in report["sweep"]:
-        assert set(entry) == {"r", "scale", "scale_tensor_local"}
-        assert set(entry["scale"]) == {t["model"] for t in report["tasks"]}
     # ram_statistics.json's fields are report fields with the same values;
     # only a merge counts λ's survival (analyze: null, merge --report: counts).
     statistics, merge_report = merged
-    assert set(statistics) <= set(report)
-    assert set(statistics["tasks"][0]) <= set(report["tasks"][0])
     for ours, theirs in zip(report["tasks"], without_survival(statistics)["tasks"]):
         assert {k: ours[k] for k in theirs} == theirs
     assert report["written_dtypes"] is None
@@ -534,14 +443,34 @@ def schema_tables() -> tuple[dict[str, dict[str, str]], dict[str, set[str]]]:
     return report, statistics
 
 
+TYPES = {"int": int, "float": (float, int), "str": str, "bool": bool}
+TYPES |= {"list": list, "object": dict, "null": type(None)}
+
+
+def has_type(value, documented: str) -> bool:
+    """Whether `value` has the type a schema table gives (`list[int] or
+    null`: a list or null); every float may be null (strict JSON)."""
+    if not documented:
+        return True  # an undocumented field: the field sets are compared apart
+    words = re.findall(r"\w+", re.sub(r"\[.*\]|\(.*\)", "", documented))
+    kinds = [TYPES[w] for w in words if w in TYPES]
+    kinds += [type(None)] if "float" in words else []
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, tuple(kinds))
+
+
 def object_fields(value, tables, path="", found=None) -> dict[str, set[str]]:
-    """Every object's fields in a real document, by path as in schema_tables;
-    an object documented as a map (`object (model → ...)`) is a value."""
+    """Every object's fields in a real document, by path as in schema_tables,
+    each value checked against its documented type; an object documented as a
+    map (`object (model → ...)`) is a value."""
     found = {} if found is None else found
     if isinstance(value, dict):
         found.setdefault(path, set()).update(value)
         for key, item in value.items():
-            if "→" not in tables.get(path, {}).get(key, ""):
+            documented = tables.get(path, {}).get(key, "")
+            assert has_type(item, documented), (path, key, documented, item)
+            if "→" not in documented:
                 object_fields(item, tables, f"{path}.{key}".lstrip("."), found)
     elif isinstance(value, list):
         for item in value:
@@ -555,8 +484,10 @@ def test_schema_document_matches_real_files(analyzed, merged):
     assert {"", "tasks[]", "retention.ramplus", "per_layer[].tasks[]"} <= set(
         documented
     )
-    # analyze's report (with an r sweep) has every object of the schema.
+    # analyze's report (with an r sweep) has every object of the schema, its
+    # top-level fields in the documented order.
     assert object_fields(analyzed[3], tables) == documented
+    assert list(analyzed[3]) == list(tables[""])
     statistics, merge_report = merged
     for path, fields in object_fields(merge_report, tables).items():
         assert fields == documented[path], path
@@ -784,38 +715,6 @@ def test_explicit_unique_scale_is_reported(models, tmp_path):
     assert tasks[0]["scale"] == 1.5 and tasks[0]["scale_explicit"] is True
     assert tasks[0]["scale_tensor_local"]["min"] == 1.5
     assert not any(t["scale_explicit"] for t in tasks[1:])
-
-
-def test_engine_intersections_equal_reference():
-    """OverlapStatistics counts |m_s ∧ m_t| per tensor and in total."""
-    g = torch.Generator().manual_seed(7)
-    shapes = {"a.0.w": (9, 7), "a.1.w": (13,), "b": (4, 5, 3)}
-    base = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    tasks = []
-    for density in (0.2, 0.6, 0.4):
-        tasks.append(
-            {
-                k: v
-                + torch.randn(v.shape, generator=g)
-                * (torch.rand(v.shape, generator=g) < density)
-                for k, v in base.items()
-            }
-        )
-    ids = ["x", "y", "z"]
-    stats = OverlapStatistics(epsilon=EPSILON)
-    for name in base:
-        stats.add(name, base[name], {i: t[name] for i, t in zip(ids, tasks)})
-    per_tensor = reference.counts(base, tasks, EPSILON)
-    total = reference.intersections(per_tensor, 3)
-    for s, a in enumerate(ids):
-        assert stats.tasks[a].intersections == {
-            b: total[s][t] for t, b in enumerate(ids) if b != a
-        }
-    for name in base:
-        local = reference.intersections({name: per_tensor[name]}, 3)
-        for s, a in enumerate(ids):
-            got = stats.per_tensor[name][a].intersections
-            assert got == {b: local[s][t] for t, b in enumerate(ids) if b != a}
 
 
 @pytest.mark.parametrize(
