@@ -85,29 +85,20 @@ def dense_retention(base, tasks, merged, full=True):
     return out
 
 
-def dense_merges(base, tasks, *, r, alpha, saturation, statistics):
-    """Merged task vectors (float64) of every method, densely."""
+def dense_merges(base, tasks, epsilon=EPSILON, **ramplus):
+    """Merged task vectors (float64) of every method, densely; `ramplus`:
+    reference.merge's options for RAM+."""
 
-    def ram(r_value):
+    def ram(**options):
+        out = torch.float32
         merged, _ = reference.merge(
-            base,
-            tasks,
-            epsilon=EPSILON,
-            r=r_value,
-            alpha=alpha,
-            saturation=saturation,
-            statistics=statistics,
-            out_dtype=torch.float32,
+            base, tasks, epsilon=epsilon, out_dtype=out, **options
         )
         return {k: merged[k].double() - base[k].double() for k in base}
 
     total = {k: sum(t[k].double() - base[k].double() for t in tasks) for k in base}
-    return {
-        "ram": ram(0.0),
-        "ramplus": ram(r),
-        "ta_mean": {k: v / len(tasks) for k, v in total.items()},
-        "ta_sum": total,
-    }
+    mean = {k: v / len(tasks) for k, v in total.items()}
+    return {"ram": ram(), "ramplus": ram(**ramplus), "ta_mean": mean, "ta_sum": total}
 
 
 def tensor_scales(base, tasks, rule):

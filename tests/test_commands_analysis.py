@@ -22,6 +22,7 @@ import yaml
 from click.testing import CliRunner
 from conftest import TaskSpec
 from safetensors.torch import load_file, save_file
+from test_analysis_regime import dense_merges, dense_retention
 
 import mergekit_ram.integration.statistics
 from mergekit_ram.analysis.report import PAPER_R, SCHEMA_VERSION, layer_of
@@ -255,37 +256,6 @@ def dense_expectations(per_tensor, n):
     return expected, alone
 
 
-def dense_retention(base, tasks, merged_tau):
-    """⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩ per task, float64 over the whole model."""
-    out = []
-    for task in tasks:
-        num = den = 0.0
-        for name in base:
-            tau = task[name].double() - base[name].double()
-            num += float((merged_tau[name] * tau).sum())
-            den += float((tau * tau).sum())
-        out.append(num / den)
-    return out
-
-
-def dense_methods(base, tasks, **ramplus):
-    """τ_merged of RAM, RAM+ (`ramplus`: reference.merge options), TA 1/N, TA 1."""
-
-    def ram(**options):
-        merged, _ = reference.merge(
-            base, tasks, epsilon=EPSILON, out_dtype=torch.float32, **options
-        )
-        return {k: merged[k].double() - base[k].double() for k in base}
-
-    total = {k: sum(t[k].double() - base[k].double() for t in tasks) for k in base}
-    return {
-        "ram": ram(),
-        "ramplus": ram(**ramplus),
-        "ta_mean": {k: v / len(tasks) for k, v in total.items()},
-        "ta_sum": total,
-    }
-
-
 def test_regime_equals_dense_reference(analyzed, dense):
     _config, _out, output, report = analyzed
     base, tasks, counts = dense
@@ -315,7 +285,7 @@ def test_regime_equals_dense_reference(analyzed, dense):
     for task, want, changed in zip(report["tasks"], alone, C):
         assert task["unique_share"] == pytest.approx(task["unique"] / changed)
         assert task["expected_unique_share"] == pytest.approx(want / changed, rel=1e-9)
-    merged = dense_methods(base, tasks, r=0.1, alpha=2.0)
+    merged = dense_merges(base, tasks, EPSILON, r=0.1, alpha=2.0)
     for method, vector in merged.items():
         want = dense_retention(base, tasks, vector)
         got = [t["retention"][method] for t in report["tasks"]]
@@ -355,11 +325,16 @@ def test_retention_follows_the_configuration(models, dense, tmp_path, variant):
     invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
     report = read(tmp_path / "out" / "report.json")
     want = dense_retention(
-        base, tasks, dense_methods(base, tasks, **options)["ramplus"]
+        base, tasks, dense_merges(base, tasks, EPSILON, **options)["ramplus"]
     )
     got = [t["retention"]["ramplus"] for t in report["tasks"]]
     assert got == pytest.approx(want, rel=1e-4)
     assert report["retention"]["ramplus"]["r"] == options["r"]
+    if variant != "ram":  # the explicit λ is reported as such
+        first, *rest = report["tasks"]
+        assert first["scale"] == 1.5 and first["scale_explicit"] is True
+        assert first["scale_tensor_local"]["min"] == 1.5
+        assert not any(t["scale_explicit"] for t in rest)
 
 
 def test_integer_only_models_are_one_error(tmp_path):
@@ -702,19 +677,6 @@ def test_analyze_does_not_modify_the_config(models):
     result = analyze_config(config, MergeOptions(quiet=True), epsilon=1e-4)
     assert config.model_dump() == before
     assert result.settings.epsilon == 1e-4 and result.stats.epsilon == 1e-4
-
-
-def test_explicit_unique_scale_is_reported(models, tmp_path):
-    root, paths = models
-    config = yaml.safe_load(merge_yaml(paths, "ramplus"))
-    config["models"][0]["parameters"] = {"unique_scale": 1.5}
-    path = tmp_path / "explicit.yml"
-    path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
-    tasks = read(tmp_path / "out" / "report.json")["tasks"]
-    assert tasks[0]["scale"] == 1.5 and tasks[0]["scale_explicit"] is True
-    assert tasks[0]["scale_tensor_local"]["min"] == 1.5
-    assert not any(t["scale_explicit"] for t in tasks[1:])
 
 
 @pytest.mark.parametrize(
