@@ -13,10 +13,8 @@ of them already exists, or that is itself a model, before writing anything.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
-from mergekit_ram.commands.install import install
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
@@ -65,15 +63,13 @@ def _check_loads(path: str) -> str:
     return f"{type(model).__name__}, {model.num_parameters():,} parameters"
 
 
-def run_demo(out_dir: str | None = None) -> str:
-    """Build, merge and report; returns the merged model's directory."""
-    install()  # ram/ramplus even where the autoload hook is off
+def run_demo(root: str) -> str:
+    """Build, merge and report in `root`; returns the merged model's directory."""
     from mergekit.scripts.run_yaml import main as mergekit_yaml
     from transformers.utils import logging as transformers_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers_logging.disable_progress_bar()
-    root = out_dir or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
     check_out_dir(root)
     try:
         os.makedirs(root, exist_ok=True)
