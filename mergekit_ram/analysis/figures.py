@@ -14,6 +14,7 @@ from typing import Any
 
 from mergekit_ram.analysis.regime import METHODS
 
+Report = Mapping[str, Any]
 INSTALL_HINT = "pip install 'mergekit-ram[plots]'"
 DPI = 100
 # file name → (width, height) in inches; pixels = inches × DPI.
@@ -45,34 +46,30 @@ def _colors(count: int, sequential: bool) -> list:
     return [colormap(i / max(count - 1, 1)) for i in range(count)]
 
 
-def overlap_histogram(report: Mapping[str, Any], figure: Any) -> None:
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
+
+
+def _note(axes: Any, text: str) -> None:
+    """A line in the middle of an empty plot, saying why it is empty."""
+    axes.text(0.5, 0.5, text, ha="center", transform=axes.transAxes)
+
+
+def overlap_histogram(report: Report, figure: Any) -> None:
     """Stacked bars per task: changed elements by how many other tasks share them."""
     tasks = report["tasks"]
     n = len(tasks)
     absolute, relative = figure.subplots(1, 2, sharey=True)
     positions = list(range(n))
-    colors = _colors(n, sequential=True)
     left_abs, left_rel = [0.0] * n, [0.0] * n
-    for k in range(n):
+    for k, color in enumerate(_colors(n, sequential=True)):
         values = [(t["overlap_histogram"] + [0] * n)[k] for t in tasks]
-        part_abs = [
-            100.0 * v / t["elements"] if t["elements"] else 0.0
-            for v, t in zip(values, tasks)
-        ]
-        part_rel = [
-            100.0 * v / t["changed"] if t["changed"] else 0.0
-            for v, t in zip(values, tasks)
-        ]
-        if k == 0:
-            name = "unique (k = 0)"
-        else:
-            name = (
-                f"shared with {k} other" + ("s" if k > 1 else "")
-                if n <= 4
-                else f"k = {k}"
-            )
-        absolute.barh(positions, part_abs, left=left_abs, color=colors[k], label=name)
-        relative.barh(positions, part_rel, left=left_rel, color=colors[k])
+        part_abs = [_pct(v, t["elements"]) for v, t in zip(values, tasks)]
+        part_rel = [_pct(v, t["changed"]) for v, t in zip(values, tasks)]
+        name = f"shared with {k} other" + "s" * (k > 1) if n <= 4 else f"k = {k}"
+        name = "unique (k = 0)" if k == 0 else name
+        absolute.barh(positions, part_abs, left=left_abs, color=color, label=name)
+        relative.barh(positions, part_rel, left=left_rel, color=color)
         left_abs = [a + b for a, b in zip(left_abs, part_abs)]
         left_rel = [a + b for a, b in zip(left_rel, part_rel)]
     for y, total in zip(positions, left_abs):
@@ -80,9 +77,9 @@ def overlap_histogram(report: Mapping[str, Any], figure: Any) -> None:
     absolute.set_yticks(positions, [t["label"] for t in tasks])
     absolute.invert_yaxis()
     absolute.set(
-        xlim=(0, max(left_abs + [1.0]) * 1.18), xlabel="% of all parameters changed"
+        xlim=(0, max(left_abs + [1.0]) * 1.18), title="Changed parameters by overlap"
     )
-    absolute.set_title("Changed parameters by overlap")
+    absolute.set_xlabel("% of all parameters changed")
     relative.set(xlim=(0, 100), xlabel="% of the task's changes")
     relative.set_title("Composition of each task's changes")
     figure.legend(loc="outside lower center", ncols=min(n, 7), fontsize=9)
@@ -91,36 +88,31 @@ def overlap_histogram(report: Mapping[str, Any], figure: Any) -> None:
     )
 
 
-def density_per_layer(report: Mapping[str, Any], figure: Any) -> None:
+def density_per_layer(report: Report, figure: Any) -> None:
     """Share of each layer's parameters every task changes, one line per task."""
     from matplotlib.ticker import MaxNLocator
 
     tasks, layers = report["tasks"], report["per_layer"]
     axes = figure.subplots()
-    for color, task in zip(_colors(len(tasks), sequential=False), tasks):
-        ys = []
-        for entry in layers:
-            row = next((x for x in entry["tasks"] if x["model"] == task["model"]), None)
-            changed = row["changed"] if row else 0
-            ys.append(100.0 * changed / entry["elements"] if entry["elements"] else 0)
-        xs = [entry["layer"] for entry in layers]
+    xs = [entry["layer"] for entry in layers]
+    for i, (color, task) in enumerate(zip(_colors(len(tasks), False), tasks)):
+        ys = [_pct(e["tasks"][i]["changed"], e["elements"]) for e in layers]
         axes.plot(xs, ys, marker="o", color=color, label=task["label"])
         if task["elements"]:
-            whole = 100.0 * task["changed"] / task["elements"]
+            whole = _pct(task["changed"], task["elements"])
             axes.axhline(whole, color=color, linestyle="--", linewidth=0.8)
     if not layers:
-        axes.text(
-            0.5, 0.5, "no per-layer tensors", ha="center", transform=axes.transAxes
-        )
+        _note(axes, "no per-layer tensors")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set(xlabel="layer", ylabel="% of the layer's parameters changed")
-    axes.set_ylim(bottom=0)
+    axes.set(
+        xlabel="layer", ylabel="% of the layer's parameters changed", ylim=(0, None)
+    )
     axes.set_title("Task-vector density per layer (dashed: whole model)")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=9)
 
 
-def jaccard(report: Mapping[str, Any], figure: Any) -> None:
+def jaccard(report: Report, figure: Any) -> None:
     """Pairwise Jaccard overlap of the tasks' change masks."""
     matrix = report["pairwise"]["jaccard"]
     labels = [t["label"] for t in report["tasks"]]
@@ -130,87 +122,57 @@ def jaccard(report: Mapping[str, Any], figure: Any) -> None:
     digits, size = (3, 10) if n <= 5 else (2, max(5, 48 // n))
     for s, row in enumerate(matrix):
         for t, value in enumerate(row):
-            color = "white" if value > 0.6 else "black"
-            axes.text(
-                t,
-                s,
-                f"{value:.{digits}f}",
-                ha="center",
-                va="center",
-                color=color,
-                fontsize=size,
-            )
-    ticks = list(range(len(labels)))
-    axes.set_xticks(ticks, labels, rotation=30, ha="right")
-    axes.set_yticks(ticks, labels)
+            style = dict(color="white" if value > 0.6 else "black", fontsize=size)
+            axes.text(t, s, f"{value:.{digits}f}", ha="center", va="center", **style)
+    axes.set_xticks(range(n), labels, rotation=30, ha="right")
+    axes.set_yticks(range(n), labels)
     axes.set_title("Pairwise overlap of change masks (Jaccard)")
     figure.colorbar(image, ax=axes, shrink=0.8)
 
 
-def regime(report: Mapping[str, Any], figure: Any) -> None:
+def regime(report: Report, figure: Any) -> None:
     """Left: retention per task and merge method; right: lift per pair."""
     tasks = report["tasks"]
+    n = len(tasks)
     kept, lifts = figure.subplots(1, 2, width_ratios=[3, 2])
     methods = list(report["retention"]["methods"]) if report["retention"] else []
     width = 0.8 / max(len(methods), 1)
-    positions = list(range(len(tasks)))
     drawn = [0.0, 1.0]
-    for m, (method, color) in enumerate(
-        zip(methods, _colors(len(methods), sequential=False))
-    ):
+    for m, (method, color) in enumerate(zip(methods, _colors(len(methods), False))):
         heights = [(t["retention"] or {}).get(method) or 0.0 for t in tasks]
-        offsets = [p + (m - (len(methods) - 1) / 2) * width for p in positions]
+        offsets = [p + (m - (len(methods) - 1) / 2) * width for p in range(n)]
         kept.bar(offsets, heights, width, color=color, label=METHODS[method])
         drawn += heights
-    kept.set_ylim(
-        min(drawn) * 1.1, max(drawn) * 1.3
-    )  # room above the bars for the legend
+    kept.set_ylim(min(drawn) * 1.1, max(drawn) * 1.3)  # room for the legend
     if methods:
         kept.legend(fontsize=9, ncols=len(methods), loc="upper center")
     else:
-        kept.text(
-            0.5, 0.5, "retention not computed", ha="center", transform=kept.transAxes
-        )
+        _note(kept, "retention not computed")
     kept.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    kept.set_xticks(positions, [t["label"] for t in tasks])
-    kept.set_ylabel("⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩")
+    kept.set_xticks(range(n), [t["label"] for t in tasks])
+    kept.set(ylabel="⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩")
     kept.set_title("How much of each task vector the merge keeps")
     kept.grid(axis="y", alpha=0.3)
 
-    pair = report["pairwise"]
-    n = len(tasks)
-    names = [
-        f"{tasks[s]['label']} × {tasks[t]['label']}"
-        for s in range(n)
-        for t in range(s + 1, n)
-    ]
-    values = [pair["lift"][s][t] for s in range(n) for t in range(s + 1, n)]
+    pairs = [(s, t) for s in range(n) for t in range(s + 1, n)]
+    names = [f"{tasks[s]['label']} × {tasks[t]['label']}" for s, t in pairs]
+    values = [report["pairwise"]["lift"][s][t] for s, t in pairs]
     shown = [v or 0.0 for v in values]
-    lifts.barh(list(range(len(names))), shown, color=_colors(1, sequential=True))
+    lifts.barh(range(len(names)), shown, color=_colors(1, sequential=True))
     lifts.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     for y, value in enumerate(values):
-        lifts.text(
-            shown[y],
-            y,
-            "n/a" if value is None else f" {value:.2f}",
-            va="center",
-            fontsize=9,
-        )
+        text = "n/a" if value is None else f" {value:.2f}"
+        lifts.text(shown[y], y, text, va="center", fontsize=9)
     if not names:
-        lifts.text(
-            0.5, 0.5, "one task model: no pairs", ha="center", transform=lifts.transAxes
-        )
-    lifts.set_yticks(list(range(len(names))), names)
+        _note(lifts, "one task model: no pairs")
+    lifts.set_yticks(range(len(names)), names)
     lifts.invert_yaxis()
-    lifts.set(
-        xlim=(0, max(shown + [1.0]) * 1.25),
-        xlabel="overlap / overlap of independent supports",
-    )
-    lifts.set_title("Lift (1: independent-like)")
+    lifts.set(xlim=(0, max(shown + [1.0]) * 1.25), title="Lift (1: independent-like)")
+    lifts.set_xlabel("overlap / overlap of independent supports")
     figure.suptitle("Which regime: support overlap and retention (no evaluation)")
 
 
-def write_figures(report: Mapping[str, Any], out_dir: str) -> list[str]:
+def write_figures(report: Report, out_dir: str) -> list[str]:
     """Draw every figure of FIGURES into out_dir; returns their file names."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
