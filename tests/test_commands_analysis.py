@@ -503,11 +503,14 @@ def test_cli_writes_the_figures(analyzed):
     pytest.importorskip(
         "matplotlib", reason="figures need the plots extra (mergekit-ram[plots])"
     )
-    _config, out, _output, _report = analyzed
-    for name in analyze_figures():
+    _config, out, output, _report = analyzed
+    names = ["report.json", "report.md", *analyze_figures()]
+    assert f"Report written to {out}: {', '.join(names)}\n" in output
+    for name in names:
         assert (out / name).stat().st_size > 0, name
     md = (out / "report.md").read_text(encoding="utf-8")
-    assert "![jaccard](jaccard.png)" in md
+    assert all(f"![{name[:-4]}]({name})" in md for name in analyze_figures())
+    assert "pip install" not in output + md
 
 
 def analyze_figures():

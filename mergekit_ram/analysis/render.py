@@ -66,10 +66,8 @@ def _share(value: float | None) -> str:
     return "–" if value is None else f"{100.0 * value:.1f} %"
 
 
-def _rule_text(settings: Report) -> str:
-    return ScaleRule(
-        settings["r"], settings["alpha"], settings["saturation"]
-    ).saturation_text()
+def _rule_text(s: Report) -> str:
+    return ScaleRule(*(s[k] for k in ("r", "alpha", "saturation"))).saturation_text()
 
 
 def _labels(report: Report) -> list[str]:
