@@ -148,9 +148,7 @@ def _grouped(
         entry[0] += 1
         entry[1] += next(iter(per_task.values())).elements if per_task else 0
         for task_id, counts in per_task.items():
-            add_histogram(
-                entry[2].setdefault(task_id, TaskCounts()).histogram, counts.histogram
-            )
+            add_histogram(entry[2][task_id].histogram, counts.histogram)
     out = []
     for group in sorted(groups, key=order):
         tensors, elements, counts = groups[group]
@@ -158,9 +156,8 @@ def _grouped(
             dict(model=str(i), changed=c.changed, shared=c.shared, unique=c.unique)
             for i, c in counts.items()
         ]
-        out.append(
-            {field: group, "tensors": tensors, "elements": elements, "tasks": tasks}
-        )
+        out.append({field: group, "tensors": tensors, "elements": elements})
+        out[-1]["tasks"] = tasks
     return out
 
 
