@@ -163,34 +163,14 @@ def test_counts_equal_dense_reference(analyzed, dense):
     assert len({round(v, 6) for row in expected for v in row}) > n  # not uniform
 
 
-def group_counts(per_tensor, names, n):
-    """C, S, U per task over the tensors `names` (dense reference)."""
-    C, S, U, _ = reference.csu({k: per_tensor[k] for k in names}, n)
-    return C, S, U
-
-
 def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
     _config, _out, _output, report = analyzed
     base, _tasks, counts = dense
     per_tensor = counts()
-    n = len(NAMES)
     layers = sorted(
         {int(k.split(".")[2]) for k in base if k.startswith("model.layers.")}
     )
     assert [e["layer"] for e in report["per_layer"]] == layers
-    for entry in report["per_layer"]:
-        names = [k for k in base if k.startswith(f"model.layers.{entry['layer']}.")]
-        C, S, U = group_counts(per_tensor, names, n)
-        assert entry["tensors"] == len(names)
-        assert entry["elements"] == sum(base[k].numel() for k in names)
-        got = [(t["changed"], t["shared"], t["unique"]) for t in entry["tasks"]]
-        assert got == list(zip(C, S, U))
-    # Density profile differs between layers (synthetic skew).
-    densities = [
-        [t["changed"] / e["elements"] for t in e["tasks"]] for e in report["per_layer"]
-    ]
-    assert densities[0] != densities[1]
-
     patterns = {
         "embeddings": r"embed_tokens",
         "attention": r"self_attn\.[qkvo]_proj",
@@ -199,14 +179,19 @@ def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
         "lm_head": r"lm_head",
     }
     assert [e["module"] for e in report["per_module"]] == list(patterns)
-    for entry in report["per_module"]:
-        names = [k for k in base if re.search(patterns[entry["module"]], k)]
-        C, S, U = group_counts(per_tensor, names, n)
+    assert sum(e["tensors"] for e in report["per_module"]) == len(base)
+    groups = [(e, rf"^model\.layers\.{e['layer']}\.") for e in report["per_layer"]]
+    groups += [(e, patterns[e["module"]]) for e in report["per_module"]]
+    for entry, pattern in groups:
+        names = [k for k in base if re.search(pattern, k)]
+        C, S, U, _ = reference.csu({k: per_tensor[k] for k in names}, len(NAMES))
         assert entry["tensors"] == len(names)
         assert entry["elements"] == sum(base[k].numel() for k in names)
         got = [(t["changed"], t["shared"], t["unique"]) for t in entry["tasks"]]
         assert got == list(zip(C, S, U))
-    assert sum(e["tensors"] for e in report["per_module"]) == len(base)
+    # Density profile differs between layers (synthetic skew).
+    first, second = ([t["changed"] for t in e["tasks"]] for e in report["per_layer"])
+    assert first != second
 
 
 def test_tensor_local_scales_equal_dense_reference(analyzed, dense):

@@ -86,14 +86,6 @@ def local_card_section(local: LocalScales, survival: SurvivalTally | None) -> st
     return _section("RAM+ statistics (tensor-local)", intro, local.tasks, lam, survival)
 
 
-def share_cells(elements: int, changed: int, unique: int, shared: int) -> list[str]:
-    """An agent's changed share of all elements, its unique and shared
-    shares of its changes, and ρ = S/U (∞ with shared but no unique)."""
-    rho = "–" if not changed else "∞" if not unique else f"{shared / unique:.4f}"
-    shares = [percent(part, changed) for part in (unique, shared)]
-    return [percent(changed, elements), *shares, rho]
-
-
 def _section(
     title: str,
     intro: str,
@@ -105,7 +97,9 @@ def _section(
     rows = []
     for task, found in tasks.items():
         rescaled, survived = counts.get(task, (0, 0))
-        shares = share_cells(found.elements, found.changed, found.unique, found.shared)
+        c, u, s = found.changed, found.unique, found.shared
+        rho = "–" if not c else "∞" if not u else f"{s / u:.4f}"  # ∞: S > 0 = U
+        shares = [percent(c, found.elements), percent(u, c), percent(s, c), rho]
         rows.append([str(task), *shares, lam[task], percent(survived, rescaled, 1)])
     notes = ["\n".join(CARD_LEGEND)]
     if survival is not None and survival.lost():

@@ -168,14 +168,11 @@ def _independent(report: Report) -> list[str]:
     rows = []
     for s in range(len(labels)):
         for t in range(s + 1, len(labels)):
-            lift = _num(pair["lift"][s][t], 2)
-            counts = [
-                f"{pair['intersection'][s][t]:,}",
-                f"{pair['expected_intersection'][s][t]:,.0f}",
-                lift,
-            ]
+            counts = [f"{pair['intersection'][s][t]:,}"]
+            counts += [f"{pair['expected_intersection'][s][t]:,.0f}"]
             jaccard = [f"{pair[k][s][t]:.4f}" for k in ("jaccard", "expected_jaccard")]
-            rows.append([f"{labels[s]} × {labels[t]}", *counts, *jaccard])
+            lift = _num(pair["lift"][s][t], 2)
+            rows.append([f"{labels[s]} × {labels[t]}", *counts, lift, *jaccard])
     found = {p["supports"] for p in report["verdict"]["pairs"]}
     notes = [
         "expected = Σ over tensors of n·d_s·d_t: the overlap of independent "
@@ -184,11 +181,8 @@ def _independent(report: Report) -> list[str]:
         *(note for kind, note in LIFT_NOTES.items() if kind in found),
     ]
     headers = ["pair", "overlap", "expected", "lift", "Jaccard", "expected J."]
-    return (
-        section("Overlap against independent supports", headers, rows, notes)
-        if rows
-        else []
-    )
+    title = "Overlap against independent supports"
+    return section(title, headers, rows, notes) if rows else []
 
 
 def _retention(report: Report) -> list[str]:
@@ -228,10 +222,10 @@ def _grouped(report: Report, field: str, detail: bool) -> list[list[str]]:
     for e in report[f"per_{field}"]:
         cells = []
         for x in e["tasks"]:
-            ours = (
-                f" ({percent(x['unique'], x['changed'], 0)} unique)" if detail else ""
+            own = percent(x["unique"], x["changed"], 0)
+            cells.append(
+                percent(x["changed"], e["elements"]) + f" ({own} unique)" * detail
             )
-            cells.append(percent(x["changed"], e["elements"]) + ours)
         tensors = [str(e["tensors"])] if detail else []
         rows.append([str(e[field]), *tensors, f"{e['elements']:,}", *cells])
     return rows
@@ -249,21 +243,16 @@ def _per_module(report: Report) -> list[str]:
 def _per_layer(report: Report) -> list[str]:
     rows = _grouped(report, "layer", False)
     note = "Share of each layer's parameters the task changes."
-    return (
-        section("Per layer", ["layer", "elements"] + _labels(report), rows, [note])
-        if rows
-        else []
-    )
+    headers = ["layer", "elements"] + _labels(report)
+    return section("Per layer", headers, rows, [note]) if rows else []
 
 
 def _sweep(report: Report) -> list[str]:
     rows = []
     for s in report["sweep"]:
         local = s["scale_tensor_local"]
-        lams = [
-            f"{s['scale'][t['model']]:.4f} / {_num(local[t['model']])}"
-            for t in report["tasks"]
-        ]
+        models = [t["model"] for t in report["tasks"]]
+        lams = [f"{s['scale'][m]:.4f} / {_num(local[m])}" for m in models]
         rows.append([f"{s['r']:g}", *lams])
     notes = [
         f"λ per task for each r ({_rule_text(report)}): global / tensor-local "
@@ -274,9 +263,12 @@ def _sweep(report: Report) -> list[str]:
             "r = 0 in this configuration (RAM: every λ is 1); the sweep "
             f"shows RAM+ at the paper's r = {PAPER_R:g}. Try --r 0,0.05,0.1,0.2."
         )
-    return (
-        section("λ sweep over r", ["r"] + _labels(report), rows, notes) if rows else []
-    )
+    headers = ["r"] + _labels(report)
+    return section("λ sweep over r", headers, rows, notes) if rows else []
+
+
+SECTIONS = (_per_task, _k_way, _jaccard, _independent, _retention)
+SECTIONS += (_per_module, _per_layer, _sweep)
 
 
 def render_markdown(report: Report) -> str:
@@ -296,18 +288,8 @@ def render_markdown(report: Report) -> str:
             "Not a ram/ramplus configuration: λ uses the paper's RAM+ defaults.  "
         )
     lines += ["", f"**Verdict:** {report['verdict']['sentence']}"]
-    for part in (
-        _per_task,
-        _k_way,
-        _jaccard,
-        _independent,
-        _retention,
-        _per_module,
-        _per_layer,
-        _sweep,
-    ):
+    for part in SECTIONS:
         lines += part(report)
-    lines += ["", "## Models", ""] + [
-        f"- {t['label']}: `{t['model']}`" for t in report["tasks"]
-    ]
+    lines += ["", "## Models", ""]
+    lines += [f"- {t['label']}: `{t['model']}`" for t in report["tasks"]]
     return "\n".join(lines) + "\n"

@@ -22,8 +22,8 @@ would keep, without merging or a second read.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis
@@ -60,21 +60,13 @@ def analyze_config(
         check_plan(list(merges), findings) if ours else (PAPER_DEFAULTS, {})
     )
     if epsilon is not None:
-        settings = dataclasses.replace(settings, epsilon=float(epsilon))
-    stats, scales = count_planned(
-        merges,
-        settings,
-        explicit,
-        options,
-        desc="Analyzing task vectors",
-        inner_products=True,
-    )
+        settings = replace(settings, epsilon=float(epsilon))
+    counting = dict(desc="Analyzing task vectors", inner_products=True)
+    stats, scales = count_planned(merges, settings, explicit, options, **counting)
     reference = str(base if config.base_model is None else config.base_model)
-    shared = shared_mode(resolved_values(merges)) if ours else None
-    analysis = Analysis(
-        config.merge_method, reference, settings, stats, scales, shared=shared
-    )
-    return require_task_vectors(analysis, len(merges))
+    found = Analysis(config.merge_method, reference, settings, stats, scales)
+    found.shared = shared_mode(resolved_values(merges)) if ours else None
+    return require_task_vectors(found, len(merges))
 
 
 def require_task_vectors(analysis: Analysis, planned: int | None = None) -> Analysis:
@@ -125,4 +117,4 @@ def merge_with_analysis(
         "reading the models once more for the report."
     )
     analysis = analyze_config(config, options)
-    return dataclasses.replace(analysis, survival=run.tally)
+    return replace(analysis, survival=run.tally)
