@@ -7,6 +7,7 @@ recomputed densely by tests/reference.py from the saved safetensors.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import reference
 import torch
@@ -200,24 +202,17 @@ def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
     per_tensor = counts()
     n = len(NAMES)
     for i, task in enumerate(report["tasks"]):
-        values = []
+        found = []  # (λ, elements, unique) in each tensor where the task has unique
         for name, entry in per_tensor.items():
             C, S, U, _ = reference.csu({name: entry}, n)
             if U[i] > 0:
                 lam = reference.lam(C[i], S[i], U[i], 0.1, 2.0, "clip")
-                values.append((lam, base[name].numel(), U[i]))
-        local = task["scale_tensor_local"]
-        assert local["tensors"] == len(values)
-        assert local["min"] == pytest.approx(min(v for v, _, _ in values))
-        assert local["max"] == pytest.approx(max(v for v, _, _ in values))
-        elements = sum(e for _, e, _ in values)
-        unique = sum(u for _, _, u in values)
-        assert local["mean"] == pytest.approx(
-            sum(v * e for v, e, _ in values) / elements
-        )
-        assert local["unique_weighted_mean"] == pytest.approx(
-            sum(v * u for v, _, u in values) / unique
-        )
+                found.append((lam, base[name].numel(), U[i]))
+        lam, elements, unique = (np.array(v, dtype=float) for v in zip(*found))
+        mean, weighted = lam @ elements / elements.sum(), lam @ unique / unique.sum()
+        want = dict(mean=mean, unique_weighted_mean=weighted, min=lam.min())
+        want |= dict(max=lam.max(), tensors=len(found))
+        assert task["scale_tensor_local"] == pytest.approx(want)
     # Global and tensor-local λ differ: the reason to show both.
     assert any(
         abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
@@ -226,18 +221,14 @@ def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
 
 
 def dense_expectations(per_tensor, n):
-    """Per-tensor independence: E[s][t] = Σ n·d_s·d_t and expected unique."""
-    expected = [[0.0] * n for _ in range(n)]
-    alone = [0.0] * n
+    """Per-tensor independence: E[s][t] = Σ n·d_s·d_t (diagonal Σ n·d_t) and
+    Σ n·d_t·Π_{s≠t}(1 − d_s), the expected unique elements."""
+    expected, alone = np.zeros((n, n)), np.zeros(n)
     for _tau, m, _c in per_tensor.values():
         elements = m[0].numel()
-        d = [float(m[t].sum()) / elements for t in range(n)]
-        for s in range(n):
-            product = 1.0
-            for t in range(n):
-                expected[s][t] += elements * (d[s] if s == t else d[s] * d[t])
-                product *= 1.0 if t == s else 1.0 - d[t]
-            alone[s] += elements * d[s] * product
+        d = np.array([float(m[t].sum()) for t in range(n)]) / elements
+        expected += elements * (np.outer(d, d) + np.diag(d - d * d))
+        alone += [elements * d[t] * np.prod(np.delete(1 - d, t)) for t in range(n)]
     return expected, alone
 
 
@@ -246,41 +237,26 @@ def test_regime_equals_dense_reference(analyzed, dense):
     base, tasks, counts = dense
     per_tensor = counts()
     n = len(NAMES)
-    inter = reference.intersections(per_tensor, n)
+    inter = np.array(reference.intersections(per_tensor, n), dtype=float)
     expected, alone = dense_expectations(per_tensor, n)
-    pair = report["pairwise"]
-    C = [inter[t][t] for t in range(n)]
-    for s in range(n):
-        assert pair["expected_intersection"][s] == pytest.approx(expected[s], rel=1e-9)
-        for t in range(n):
-            lift = pair["lift"][s][t]
-            assert lift == pytest.approx(inter[s][t] / expected[s][t], rel=1e-9)
-            union = C[s] + C[t] - expected[s][t]
-            assert pair["expected_jaccard"][s][t] == pytest.approx(
-                expected[s][t] / union, rel=1e-9
-            )
+    pair, C = report["pairwise"], np.diag(inter)
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-9)
+    close(pair["expected_intersection"], expected)
+    close(pair["lift"], inter / expected)
+    close(pair["expected_jaccard"], expected / (C[:, None] + C[None, :] - expected))
     # The expectation is per tensor: whole-model densities give another one.
-    total = report["num_elements"]
-    assert any(
-        abs(expected[s][t] - C[s] * C[t] / total) > 0.01 * expected[s][t]
-        for s in range(n)
-        for t in range(n)
-        if s != t
-    )
-    for task, want, changed in zip(report["tasks"], alone, C):
-        assert task["unique_share"] == pytest.approx(task["unique"] / changed)
-        assert task["expected_unique_share"] == pytest.approx(want / changed, rel=1e-9)
+    whole = np.outer(C, C) / report["num_elements"]
+    assert (abs(expected - whole) > 0.01 * expected)[~np.eye(n, dtype=bool)].any()
+    shares = [[t[k] for t in report["tasks"]] for k in ("unique_share", "unique")]
+    close(shares[0], np.array(shares[1]) / C)
+    close([t["expected_unique_share"] for t in report["tasks"]], alone / C)
     merged = dense_merges(base, tasks, EPSILON, r=0.1, alpha=2.0)
     for method, vector in merged.items():
         want = dense_retention(base, tasks, vector)
         got = [t["retention"][method] for t in report["tasks"]]
         assert got == pytest.approx(want, rel=1e-4), method
-    assert report["retention"]["ramplus"] == {
-        "r": 0.1,
-        "alpha": 2.0,
-        "saturation": "clip",
-        "statistics": "global",
-    }
+    plus = dict(r=0.1, alpha=2.0, saturation="clip", statistics="global")
+    assert report["retention"]["ramplus"] == plus
     assert report["retention"]["ta_mean_weight"] == pytest.approx(1 / n)
     first = report["tasks"][0]
     assert f"{first['retention']['ramplus']:.3f}" in output
