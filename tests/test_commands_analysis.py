@@ -37,12 +37,8 @@ from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
 from mergekit_ram.core.naming import MODULES, module_of
 
 EPSILON = 1e-5
-AGENTS = (
-    AgentSpec("coder", 0.04),
-    AgentSpec("tools", 0.3),
-    AgentSpec("memory", 0.5),
-    AgentSpec("search", 0.15),
-)
+DENSITIES = {"coder": 0.04, "tools": 0.3, "memory": 0.5, "search": 0.15}
+AGENTS = [AgentSpec(name, density) for name, density in DENSITIES.items()]
 NAMES = [a.name for a in AGENTS]
 METHODS = ["ram", "ramplus", "ta_mean", "ta_sum"]
 
@@ -99,17 +95,15 @@ SURVIVAL = ("rescaled", "rescale_survived")
 def without_survival(document: dict) -> dict:
     """A report or ram_statistics.json without what only a merge knows: how
     much of λ survived the written dtype (analyze writes it as null)."""
-    tasks = [
-        {k: v for k, v in t.items() if k not in SURVIVAL} for t in document["tasks"]
-    ]
-    rest = {k: v for k, v in document.items() if k != "written_dtypes"}
-    return {**rest, "tasks": tasks}
+    tasks = [{k: t[k] for k in t if k not in SURVIVAL} for t in document["tasks"]]
+    return {k: v for k, v in document.items() if k != "written_dtypes"} | {
+        "tasks": tasks
+    }
 
 
 def survival(document: dict) -> tuple:
-    return document["written_dtypes"], [
-        [t[k] for k in SURVIVAL] for t in document["tasks"]
-    ]
+    counted = [[t[k] for k in SURVIVAL] for t in document["tasks"]]
+    return document["written_dtypes"], counted
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +124,8 @@ def merged(models, tmp_path_factory):
     out = tmp_path_factory.mktemp("merge-report")
     config = write_config(root, paths, "ramplus")
     invoke("merge", config, out / "merged", "--report", out / "report", "--quiet")
-    return read(out / "merged" / "ram_statistics.json"), read(
-        out / "report" / REPORT_JSON
-    )
+    statistics = read(out / "merged" / "ram_statistics.json")
+    return statistics, read(out / "report" / REPORT_JSON)
 
 
 def test_counts_equal_dense_reference(analyzed, dense):
@@ -275,12 +268,8 @@ def test_retention_follows_the_configuration(models, dense, tmp_path, variant):
     else:
         config["parameters"] = {"statistics": "tensor", "saturation": "soft"}
         config["models"][0]["parameters"] = {"unique_scale": 1.5}
-        options = dict(
-            r=0.1,
-            saturation="soft",
-            statistics="tensor",
-            unique_scale=[1.5, None, None, None],
-        )
+        options = dict(r=0.1, saturation="soft", statistics="tensor")
+        options["unique_scale"] = [1.5, None, None, None]
     path = tmp_path / "config.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     invoke("analyze", path, "--out", tmp_path / "out", "--quiet")
@@ -434,26 +423,14 @@ def test_schema_document_matches_real_files(analyzed, merged):
 
 def test_cli_output_and_files(analyzed):
     _config, out, output, report = analyzed
-    for title in (
-        "Per task",
-        "k-way overlap",
-        "Pairwise overlap (Jaccard)",
-        "Per module",
-        "Per layer",
-        "λ sweep over r",
-        "Overlap against independent supports",
-        "Unique share and retention",
-    ):
-        assert f"\n## {title}\n" in output
-    for name in NAMES:
-        assert name in output
-    for module in ("embeddings", "attention", "mlp", "norms", "lm_head"):
-        assert module in output
+    titles = ["Per task", "k-way overlap", "Pairwise overlap (Jaccard)", "Per module"]
+    titles += ["Per layer", "λ sweep over r", "Overlap against independent supports"]
+    titles += ["Unique share and retention"]
+    assert all(f"\n## {title}\n" in output for title in titles)
+    modules = ["embeddings", "attention", "mlp", "norms", "lm_head"]
+    assert all(name in output for name in NAMES + modules)
     first = report["tasks"][0]
-    assert f"{first['changed']:,}" in output
-    assert f"{first['scale']:.4f}" in output
-    for name in ("report.json", "report.md"):
-        assert (out / name).stat().st_size > 0, name
+    assert f"{first['changed']:,}" in output and f"{first['scale']:.4f}" in output
     # One rendering: report.md is what the terminal showed, with the figures.
     md = (out / "report.md").read_text(encoding="utf-8")
     assert output.startswith(md.split("\n## Figures\n")[0])
@@ -513,17 +490,12 @@ def test_epsilon_override_is_monotone(models, dense):
     _base, _tasks, counts = dense
     changed = []
     for epsilon in (1e-5, 1e-3, 1e-2, 3e-2):
+        out = root / f"eps-{epsilon}"
         output = invoke(
-            "analyze",
-            config,
-            "--epsilon",
-            epsilon,
-            "--quiet",
-            "--out",
-            root / f"eps-{epsilon}",
+            "analyze", config, "--epsilon", epsilon, "--quiet", "--out", out
         )
         assert f"epsilon = {epsilon:g}" in output
-        report = read(root / f"eps-{epsilon}" / "report.json")
+        report = read(out / "report.json")
         assert report["epsilon"] == epsilon
         C, S, U, hist = reference.csu(counts(epsilon), len(NAMES))
         assert [t["changed"] for t in report["tasks"]] == C
@@ -553,9 +525,8 @@ def pass_counter(monkeypatch):
 def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter):
     root, paths = models
     config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
-    output = invoke(
-        "merge", config, tmp_path / "merged", "--report", tmp_path / "rep", "--quiet"
-    )
+    merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
+    output = invoke(*merge, "--quiet")
     assert len(pass_counter) == 1  # the merge's own pass, nothing more
     assert "no extra pass" in output
     assert "## Per task" in output
@@ -577,9 +548,8 @@ def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter
 def test_merge_report_without_a_pass_analyzes_once(models, tmp_path, pass_counter):
     root, paths = models
     config = write_config(root, paths, "ram")
-    output = invoke(
-        "merge", config, tmp_path / "merged", "--report", tmp_path / "rep", "--quiet"
-    )
+    merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
+    output = invoke(*merge, "--quiet")
     assert "needed no whole-model statistics pass" in output
     assert len(pass_counter) == 1
     assert not (tmp_path / "merged" / "ram_statistics.json").exists()
@@ -615,18 +585,18 @@ def test_without_matplotlib_text_and_json_still_written(
     analyzed, tmp_path, monkeypatch
 ):
     config = analyzed[0]
-    for name in list(sys.modules):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in [
+        "matplotlib",
+        *(n for n in sys.modules if n.startswith("matplotlib.")),
+    ]:
+        monkeypatch.setitem(sys.modules, name, None)
     output = invoke("analyze", config, "--out", tmp_path, "--quiet")
     assert "## Per task" in output
-    assert "pip install 'mergekit-ram[plots]'" in output
     assert sorted(os.listdir(tmp_path)) == ["report.json", "report.md"]
     assert read(tmp_path / "report.json")["tasks"] == analyzed[3]["tasks"]
-    assert "pip install 'mergekit-ram[plots]'" in (tmp_path / "report.md").read_text(
-        encoding="utf-8"
-    )
+    md = (tmp_path / "report.md").read_text(encoding="utf-8")
+    hint = "pip install 'mergekit-ram[plots]'"
+    assert hint in output and hint in md
 
 
 def test_analyze_does_not_modify_the_config(models):
