@@ -89,15 +89,11 @@ def tensor_local_scales(
     ]
     if not values:
         return dict(mean=None, unique_weighted_mean=None, min=None, max=None, tensors=0)
-    elements = sum(c.elements for _, c in values)
-    unique = sum(c.unique for _, c in values)
-    return dict(
-        mean=sum(v * c.elements for v, c in values) / elements,
-        unique_weighted_mean=sum(v * c.unique for v, c in values) / unique,
-        min=min(v for v, _ in values),
-        max=max(v for v, _ in values),
-        tensors=len(values),
-    )
+    lams = [v for v, _ in values]
+    mean = sum(v * c.elements for v, c in values) / sum(c.elements for _, c in values)
+    weighted = sum(v * c.unique for v, c in values) / sum(c.unique for _, c in values)
+    found = dict(mean=mean, unique_weighted_mean=weighted, min=min(lams))
+    return found | dict(max=max(lams), tensors=len(values))
 
 
 def retention(analysis: Analysis, explicit: dict[Hashable, float]) -> dict | None:
@@ -198,17 +194,11 @@ def build_report(
         sweep = [PAPER_R] if settings.r == 0 else []
     sweeps = []
     for r in map(float, sweep):
-        swept = ScaleRule(r=r, alpha=settings.alpha, saturation=settings.saturation)
-        sweeps.append(
-            {
-                "r": r,
-                "scale": {str(i): v for i, v in stats.scales(swept).items()},
-                "scale_tensor_local": {
-                    str(i): tensor_local_scales(stats, i, swept)["unique_weighted_mean"]
-                    for i in ids
-                },
-            }
-        )
+        swept = dataclasses.replace(settings, r=r).rule
+        scale = {str(i): v for i, v in stats.scales(swept).items()}
+        local = [tensor_local_scales(stats, i, swept) for i in ids]
+        local = {str(i): x["unique_weighted_mean"] for i, x in zip(ids, local)}
+        sweeps.append({"r": r, "scale": scale, "scale_tensor_local": local})
     plus = retention_settings(settings).as_dict()
     del plus["epsilon"]
     report = {
