@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from mergekit_ram.analysis import figures
 from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis, build_report
-from mergekit_ram.commands.report_files import write_report
 from mergekit_ram.core.counting import OverlapStatistics
 
 PLOTS = "the figures need the plots extra: pip install 'mergekit-ram[plots]'"
@@ -137,30 +134,7 @@ def test_regime_figure_without_retention(tmp_path):
     report = make_report([0.2, 0.3], llama_names(1), inner_products=False)
     assert report["retention"] is None
     assert all(t["retention"] is None for t in report["tasks"])
-    figures.regime(report, str(tmp_path / "regime.png"))
+    figures.write_figures(report, str(tmp_path))
     image = pixels(tmp_path / "regime.png")
     assert_not_blank(image)
     assert not has_colour(image, TAB10_FIRST)
-
-
-def test_write_report_lists_the_figures(report, tmp_path):
-    paths, message = write_report(report, str(tmp_path / "out"))
-    assert [p.split("/")[-1] for p in paths] == [
-        "report.json",
-        "report.md",
-        *figures.FIGURES,
-    ]
-    assert "pip install" not in message
-    md = (tmp_path / "out" / "report.md").read_text(encoding="utf-8")
-    for name in figures.FIGURES:
-        assert f"]({name})" in md
-
-
-def test_without_matplotlib(report, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert not figures.available()
-    paths, message = write_report(report, str(tmp_path))
-    assert [p.split("/")[-1] for p in paths] == ["report.json", "report.md"]
-    assert figures.INSTALL_HINT == "pip install 'mergekit-ram[plots]'"
-    assert figures.INSTALL_HINT in message
-    assert not list(tmp_path.glob("*.png"))

@@ -19,8 +19,7 @@ import torch
 
 from mergekit_ram.analysis.regime import (
     METHODS,
-    expected_intersections,
-    expected_unique,
+    expected,
     jaccard,
     ratio,
     retentions,
@@ -86,29 +85,20 @@ def dense_retention(base, tasks, merged, full=True):
     return out
 
 
-def dense_merges(base, tasks, *, r, alpha, saturation, statistics):
-    """Merged task vectors (float64) of every method, densely."""
+def dense_merges(base, tasks, epsilon=EPSILON, **ramplus):
+    """Merged task vectors (float64) of every method, densely; `ramplus`:
+    reference.merge's options for RAM+."""
 
-    def ram(r_value):
+    def ram(**options):
+        out = torch.float32
         merged, _ = reference.merge(
-            base,
-            tasks,
-            epsilon=EPSILON,
-            r=r_value,
-            alpha=alpha,
-            saturation=saturation,
-            statistics=statistics,
-            out_dtype=torch.float32,
+            base, tasks, epsilon=epsilon, out_dtype=out, **options
         )
         return {k: merged[k].double() - base[k].double() for k in base}
 
     total = {k: sum(t[k].double() - base[k].double() for t in tasks) for k in base}
-    return {
-        "ram": ram(0.0),
-        "ramplus": ram(r),
-        "ta_mean": {k: v / len(tasks) for k, v in total.items()},
-        "ta_sum": total,
-    }
+    mean = {k: v / len(tasks) for k, v in total.items()}
+    return {"ram": ram(), "ramplus": ram(**ramplus), "ta_mean": mean, "ta_sum": total}
 
 
 def tensor_scales(base, tasks, rule):
@@ -153,11 +143,11 @@ def test_retention_equals_dense_merges(r, alpha, saturation, statistics):
         base, tasks, r=r, alpha=alpha, saturation=saturation, statistics=statistics
     )
     for method, vector in merged.items():
-        expected = dense_retention(base, tasks, vector)
-        assert [ours[method][i] for i in IDS] == pytest.approx(expected, rel=1e-5)
+        want = dense_retention(base, tasks, vector)
+        assert [ours[method][i] for i in IDS] == pytest.approx(want, rel=1e-5)
         # The sub-threshold values matter here: a masked τ_t would be wrong.
         shortcut = dense_retention(base, tasks, vector, full=False)
-        assert max(abs(a / b - 1) for a, b in zip(shortcut, expected)) > 1e-3
+        assert max(abs(a / b - 1) for a, b in zip(shortcut, want)) > 1e-3
     # RAM keeps more of each task than averaging; RAM+ more than RAM.
     for i in IDS:
         assert ours["ramplus"][i] > ours["ram"][i] > ours["ta_mean"][i]
@@ -212,16 +202,14 @@ def test_expectations_are_means_over_independent_supports():
                 alone[s] += len(supports[s] - others) / len(outcomes)
                 for t in range(3):
                     inter[s][t] += len(supports[s] & supports[t]) / len(outcomes)
-    expected = expected_intersections(tensors, 3)
-    for row, want in zip(expected, inter):
+    inter_e, alone_e = expected(tensors, 3)
+    for row, want in zip(inter_e, inter):
         assert row == pytest.approx(want, rel=1e-12)
-    assert expected_unique(tensors, 3) == pytest.approx(alone, rel=1e-12)
+    assert alone_e == pytest.approx(alone, rel=1e-12)
     # Per tensor, not whole model: the whole-model formula differs here.
     total = sum(n for n, _ in tensors)
     changed = [sum(sizes[t] for _, sizes in tensors) for t in range(3)]
-    assert expected[0][1] != pytest.approx(changed[0] * changed[1] / total)
-    # An empty tensor adds nothing.
-    assert expected_intersections(tensors + [(0, [0, 0, 0])], 3) == expected
+    assert inter_e[0][1] != pytest.approx(changed[0] * changed[1] / total)
 
 
 def test_ratio_and_jaccard_edges():
@@ -229,27 +217,3 @@ def test_ratio_and_jaccard_edges():
     assert ratio(0, 0.0) is None
     assert jaccard(0, 0, 0) == 0.0
     assert jaccard(2.0, 4, 6) == pytest.approx(0.25)
-
-
-def test_products_pass_restores_the_thread_count(monkeypatch):
-    threads = torch.get_num_threads()
-    seen = []
-    original = counting.inner_products
-
-    def spy(*args):
-        seen.append(torch.get_num_threads())
-        return original(*args)
-
-    monkeypatch.setattr(counting, "inner_products", spy)
-    base, tasks = models(seed=3)
-    counted(base, tasks)
-    assert seen and set(seen) == {1}
-    assert torch.get_num_threads() == threads
-
-    def fail(*args):
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(counting, "inner_products", fail)
-    with pytest.raises(RuntimeError):
-        counted(base, tasks)
-    assert torch.get_num_threads() == threads

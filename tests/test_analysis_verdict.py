@@ -57,23 +57,38 @@ def test_unique_share_departure_on_both_sides(observed, expected, departure):
     assert unique_share_departure(observed, expected) == departure
 
 
+def verdict_on(models, labels, changed, intersection, lift, kept, **options):
+    """judge on a report with these numbers; `kept`: each model's retention
+    under RAM, None when the report has none (a merge's own pass)."""
+    tasks = [
+        {"model": m, "label": name, "changed": c, "retention": {"ram": k}}
+        for m, name, c, k in zip(models, labels, changed, kept or [None] * len(models))
+    ]
+    report = {
+        "epsilon": options.pop("epsilon", 1e-5),
+        "tasks": tasks,
+        "pairwise": {"intersection": intersection, "lift": lift},
+        "retention": None if kept is None else {"methods": ["ram"]},
+    }
+    return judge(report, **options)
+
+
 def three(kept, lift=1.0, changed=(100, 100, 100), **options):
     """The verdict on three agents of 100 changes each whose pairs all have
     this lift (expected overlap 20), with RAM retentions `kept`; `changed`
     0 makes an agent change nothing (its pairs then overlap nowhere)."""
-    overlap = 20 * lift
 
     def cell(s, t, value):
-        return 0 if 0 in (changed[s], changed[t]) else value
+        return None if 0 in (changed[s], changed[t]) else value
 
-    matrix = [
-        [cell(s, t, 100 if s == t else overlap) for t in range(3)] for s in range(3)
+    inter = [
+        [cell(s, t, 100 if s == t else 20 * lift) or 0 for t in range(3)]
+        for s in range(3)
     ]
-    expected = [[cell(s, t, 100 if s == t else 20) for t in range(3)] for s in range(3)]
+    lifts = [[cell(s, t, 1.0 if s == t else lift) for t in range(3)] for s in range(3)]
     models = ["/m/a", "/m/b", "/m/c"]
-    return judge(
-        models, ["a", "b", "c"], list(changed), matrix, expected, kept, **options
-    )
+    labels = ["a", "b", "c"]
+    return verdict_on(models, labels, list(changed), inter, lifts, kept, **options)
 
 
 def test_one_agent_diluted_alone_or_with_the_others():
@@ -123,9 +138,9 @@ def test_advice_follows_the_case():
 def test_mixed_supports_name_each_kind():
     # a ⊂ b (nested), a × c and b × c independent.
     intersection = [[10, 10, 2], [10, 50, 10], [2, 10, 20]]
-    expected = [[10, 5, 2], [5, 50, 10], [2, 10, 20]]
-    verdict = judge(
-        ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, expected, None
+    lift = [[1.0, 2.0, 1.0], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    verdict = verdict_on(
+        ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, lift, None
     )
     assert verdict.supports == "nested"
     kinds = [p.supports for p in verdict.pairs]
@@ -137,16 +152,21 @@ def test_mixed_supports_name_each_kind():
 
 
 def test_one_task_model_and_one_that_changes_anything():
-    one = judge(["a"], ["a"], [5], [[5]], [[5.0]], [1.0])
+    one = verdict_on(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
     assert one.supports is None and one.pairs == () and one.diluted == ()
     assert one.sentence.startswith("one task model")
-    idle = judge(
-        ["a", "b"], ["a", "b"], [5, 0], [[5, 0], [0, 0]], [[5, 0], [0, 0]], None
+    idle = verdict_on(
+        ["a", "b"],
+        ["a", "b"],
+        [5, 0],
+        [[5, 0], [0, 0]],
+        [[1.0, None], [None, None]],
+        None,
     )
     assert idle.supports is None and idle.diluted == ()
     assert idle.sentence.startswith(
-        "only a changes anything above epsilon; b changes nothing: there is "
-        "nothing for RAM to average, so it adds a's task vector whole"
+        "only a changes anything above epsilon (1e-05); b changes nothing: there "
+        "is nothing for RAM to average, so it adds a's task vector whole"
     )
 
 
@@ -168,7 +188,7 @@ def test_nothing_changed_means_the_base_model():
 def test_one_task_model_equal_to_the_base():
     """Case (b): the one task model is a copy of the base (0 changes,
     retention n/a). The old sentence said RAM "adds its whole task vector"."""
-    verdict = judge(["/m/copy"], ["copy"], [0], [[0]], [[0.0]], [None], epsilon=1e-5)
+    verdict = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
     assert verdict.supports is None and verdict.diluted == ()
     assert verdict.sentence.startswith(
         "the task model changes no element above epsilon (1e-05), so there is "
@@ -269,17 +289,8 @@ def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
 
 
 def probe_verdict(probe: dict):
-    """The verdict on a stored `analyze` report (report.json), as judged by
-    build_report from the same numbers."""
-    tasks, pair = probe["tasks"], probe["pairwise"]
-    return judge(
-        [t["model"] for t in tasks],
-        [t["label"] for t in tasks],
-        [t["changed"] for t in tasks],
-        pair["intersection"],
-        pair["expected_intersection"],
-        [t["retention"]["ram"] for t in tasks],
-    )
+    """The verdict on a stored `analyze` report (report.json)."""
+    return judge(probe)
 
 
 @pytest.mark.parametrize(

@@ -1,37 +1,21 @@
 """The model card's RAM+ statistics section: the per-agent table, with the
-verdict for whole-model statistics (`card_section`) or λ's range per agent
-for tensor-local ones (`local_card_section`). `mergekit_ram.commands.install`
-hands `statistics_section` to the card hook of `integration.install`.
+verdict for whole-model statistics or λ's range per agent for tensor-local
+ones. `mergekit_ram.commands.install` hands `statistics_section` to the card
+hook of `integration.install`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 
-from mergekit_ram.analysis.tables import (
-    SHARE_HEADERS,
-    Section,
-    percent,
-    share_cells,
-)
-from mergekit_ram.analysis.verdict import verdict_of
+from mergekit_ram.analysis.render import percent, section
+from mergekit_ram.analysis.report import Analysis, build_report
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
 from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.core.survival import SurvivalTally
 from mergekit_ram.integration.card import shared_mode, where_from
 from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import STATISTICS_FILE
-
-
-def statistics_section(run: MergeRun) -> str:
-    """The section for the card of a RAM merge: whole-model statistics when
-    it counted them, else tensor-local λ when it computed any, else none."""
-    if run.result is not None:
-        return card_section(*run.result, run.tally, shared=shared_mode(run.values))
-    if run.local.tasks:
-        return local_card_section(run.local, run.tally)
-    return ""
-
 
 # What the card's columns are shares of, one line each (Markdown list).
 CARD_LEGEND = (
@@ -47,6 +31,16 @@ CARD_LEGEND = (
 )
 
 
+def statistics_section(run: MergeRun) -> str:
+    """The section for the card of a RAM merge: whole-model statistics when
+    it counted them, else tensor-local λ when it computed any, else none."""
+    if run.result is not None:
+        return card_section(*run.result, run.tally, shared=shared_mode(run.values))
+    if run.local.tasks:
+        return local_card_section(run.local, run.tally)
+    return ""
+
+
 def card_section(
     settings: MergeSettings,
     stats: OverlapStatistics,
@@ -54,27 +48,28 @@ def card_section(
     survival: SurvivalTally | None = None,
     shared: str | None = None,
 ) -> str:
-    """A short model-card section with the per-agent table.
-
-    With a survival tally, a column says which share of each task's rescaled
-    unique elements the rescale still changes in the written model; `shared`
-    (the configuration's mode) keeps the verdict from advising it again.
-    """
+    """The section for whole-model statistics; `survival`: which share of
+    each task's rescaled unique elements the rescale still changes in the
+    written model; `shared` keeps the verdict from advising it again."""
+    # The verdict reads the report's numbers; the method name plays no part.
+    analysis = Analysis(
+        "ramplus", None, settings, stats, dict(scales), survival, shared
+    )
+    verdict = build_report(analysis)["verdict"]["sentence"]
     intro = (
         f"Whole-model overlap statistics (epsilon = {settings.epsilon:g}, "
         f"r = {settings.r:g}, {settings.rule.saturation_text()}) over "
         f"{stats.num_tensors} tensors and {stats.num_elements:,} elements, "
         f"computed by mergekit-ram (a plugin for mergekit, {where_from()}). "
         f"Full counts are in `{STATISTICS_FILE}`.\n\n"
-        f"**Verdict:** {verdict_of(stats, shared).sentence}"
+        f"**Verdict:** {verdict}"
     )
     lam = {task: f"{scales.get(task, 1.0):.4f}" for task in stats.tasks}
     return _section("RAM+ statistics", intro, stats.tasks, lam, survival)
 
 
 def local_card_section(local: LocalScales, survival: SurvivalTally | None) -> str:
-    """The card's section for tensor-local RAM+: each tensor's λ came from
-    its own overlap, so the table shows each agent's counts summed over the
+    """The section for tensor-local RAM+: each agent's counts summed over the
     tensors and the range of λ they gave it."""
     elements = max((counts.elements for counts in local.tasks.values()), default=0)
     intro = (
@@ -98,16 +93,18 @@ def _section(
     lam: Mapping[Hashable, str],
     survival: SurvivalTally | None,
 ) -> str:
-    """A card section: a title, its introduction, the per-agent table, the legend."""
     counts = {} if survival is None else survival.counts
     rows = []
     for task, found in tasks.items():
         rescaled, survived = counts.get(task, (0, 0))
-        shares = share_cells(found.elements, found.changed, found.unique, found.shared)
+        c, u, s = found.changed, found.unique, found.shared
+        rho = "–" if not c else "∞" if not u else f"{s / u:.4f}"  # ∞: S > 0 = U
+        shares = [percent(c, found.elements), percent(u, c), percent(s, c), rho]
         rows.append([str(task), *shares, lam[task], percent(survived, rescaled, 1)])
     notes = ["\n".join(CARD_LEGEND)]
     if survival is not None and survival.lost():
         notes.append(survival.warning())
-    headers = ["model", *SHARE_HEADERS, "λ", "λ survives"]
-    section = Section(title, notes, headers, rows, intro=[intro])
-    return "\n".join(section.markdown(level=3)) + "\n"
+    headers = ["model", "changed", "unique", "shared", "ρ = S/U", "λ", "λ survives"]
+    # Unpadded: a card is read rendered, and its bytes are part of the merge's output.
+    lines = section(title, headers, rows, notes, [intro], level=3, aligned=False)
+    return "\n".join(lines) + "\n"

@@ -2,7 +2,7 @@
 
 matplotlib is imported only when a figure is drawn, and only through its
 object-oriented API with the Agg canvas: no pyplot, no global backend switch,
-no display needed. Sizes are fixed (FIGURES, in pixels at DPI) so the files
+no display needed. Sizes are fixed (FIGURES, in inches at DPI) so the files
 are reproducible.
 """
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from mergekit_ram.analysis.regime import METHODS
 
+Report = Mapping[str, Any]
 INSTALL_HINT = "pip install 'mergekit-ram[plots]'"
 DPI = 100
 # file name → (width, height) in inches; pixels = inches × DPI.
@@ -30,19 +31,9 @@ def available() -> bool:
     try:
         import matplotlib  # noqa: F401
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
-        from matplotlib.figure import Figure  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def _figure(name: str):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=FIGURES[name], dpi=DPI, layout="constrained")
-    FigureCanvasAgg(figure)
-    return figure
 
 
 def _colors(count: int, sequential: bool) -> list:
@@ -55,196 +46,142 @@ def _colors(count: int, sequential: bool) -> list:
     return [colormap(i / max(count - 1, 1)) for i in range(count)]
 
 
-def overlap_histogram(report: Mapping[str, Any], path: str) -> None:
+def _pct(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole else 0.0
+
+
+def _note(axes: Any, text: str) -> None:
+    """A line in the middle of an empty plot, saying why it is empty."""
+    axes.text(0.5, 0.5, text, ha="center", transform=axes.transAxes)
+
+
+def overlap_histogram(report: Report, figure: Any) -> None:
     """Stacked bars per task: changed elements by how many other tasks share them."""
     tasks = report["tasks"]
     n = len(tasks)
-    figure = _figure(os.path.basename(path))
     absolute, relative = figure.subplots(1, 2, sharey=True)
-    labels = [t["label"] for t in tasks]
     positions = list(range(n))
-    colors = _colors(n, sequential=True)
-    left_abs = [0.0] * n
-    left_rel = [0.0] * n
-    for k in range(n):
-        values = [
-            (t["overlap_histogram"][k] if k < len(t["overlap_histogram"]) else 0)
-            for t in tasks
-        ]
-        part_abs = [
-            100.0 * v / t["elements"] if t["elements"] else 0.0
-            for v, t in zip(values, tasks)
-        ]
-        part_rel = [
-            100.0 * v / t["changed"] if t["changed"] else 0.0
-            for v, t in zip(values, tasks)
-        ]
-        if k == 0:
-            name = "unique (k = 0)"
-        elif n <= 4:
-            name = f"shared with {k} other" + ("s" if k > 1 else "")
-        else:
-            name = f"k = {k}"
-        absolute.barh(positions, part_abs, left=left_abs, color=colors[k], label=name)
-        relative.barh(positions, part_rel, left=left_rel, color=colors[k])
+    left_abs, left_rel = [0.0] * n, [0.0] * n
+    for k, color in enumerate(_colors(n, sequential=True)):
+        values = [(t["overlap_histogram"] + [0] * n)[k] for t in tasks]
+        part_abs = [_pct(v, t["elements"]) for v, t in zip(values, tasks)]
+        part_rel = [_pct(v, t["changed"]) for v, t in zip(values, tasks)]
+        name = f"shared with {k} other" + "s" * (k > 1) if n <= 4 else f"k = {k}"
+        name = "unique (k = 0)" if k == 0 else name
+        absolute.barh(positions, part_abs, left=left_abs, color=color, label=name)
+        relative.barh(positions, part_rel, left=left_rel, color=color)
         left_abs = [a + b for a, b in zip(left_abs, part_abs)]
         left_rel = [a + b for a, b in zip(left_rel, part_rel)]
     for y, total in zip(positions, left_abs):
         absolute.text(total, y, f" {total:.1f} %", va="center", fontsize=9)
-    absolute.set_yticks(positions, labels)
+    absolute.set_yticks(positions, [t["label"] for t in tasks])
     absolute.invert_yaxis()
-    absolute.set_xlim(0, max(left_abs + [1.0]) * 1.18)
+    absolute.set(
+        xlim=(0, max(left_abs + [1.0]) * 1.18), title="Changed parameters by overlap"
+    )
     absolute.set_xlabel("% of all parameters changed")
-    absolute.set_title("Changed parameters by overlap")
-    relative.set_xlim(0, 100)
-    relative.set_xlabel("% of the task's changes")
+    relative.set(xlim=(0, 100), xlabel="% of the task's changes")
     relative.set_title("Composition of each task's changes")
     figure.legend(loc="outside lower center", ncols=min(n, 7), fontsize=9)
     figure.suptitle(
         f"k-way overlap of the change masks (epsilon = {report['epsilon']:g})"
     )
-    figure.savefig(path, dpi=DPI)
 
 
-def density_per_layer(report: Mapping[str, Any], path: str) -> None:
+def density_per_layer(report: Report, figure: Any) -> None:
     """Share of each layer's parameters every task changes, one line per task."""
     from matplotlib.ticker import MaxNLocator
 
-    tasks = report["tasks"]
-    figure = _figure(os.path.basename(path))
+    tasks, layers = report["tasks"], report["per_layer"]
     axes = figure.subplots()
-    colors = _colors(len(tasks), sequential=False)
-    layers = report["per_layer"]
     xs = [entry["layer"] for entry in layers]
-    for color, task in zip(colors, tasks):
-        ys = []
-        for entry in layers:
-            row = next((x for x in entry["tasks"] if x["model"] == task["model"]), None)
-            changed = row["changed"] if row else 0
-            ys.append(100.0 * changed / entry["elements"] if entry["elements"] else 0)
+    for i, (color, task) in enumerate(zip(_colors(len(tasks), False), tasks)):
+        ys = [_pct(e["tasks"][i]["changed"], e["elements"]) for e in layers]
         axes.plot(xs, ys, marker="o", color=color, label=task["label"])
         if task["elements"]:
-            axes.axhline(
-                100.0 * task["changed"] / task["elements"],
-                color=color,
-                linestyle="--",
-                linewidth=0.8,
-            )
+            whole = _pct(task["changed"], task["elements"])
+            axes.axhline(whole, color=color, linestyle="--", linewidth=0.8)
     if not layers:
-        axes.text(
-            0.5, 0.5, "no per-layer tensors", ha="center", transform=axes.transAxes
-        )
+        _note(axes, "no per-layer tensors")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlabel("layer")
-    axes.set_ylabel("% of the layer's parameters changed")
-    axes.set_ylim(bottom=0)
+    axes.set(
+        xlabel="layer", ylabel="% of the layer's parameters changed", ylim=(0, None)
+    )
     axes.set_title("Task-vector density per layer (dashed: whole model)")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=9)
-    figure.savefig(path, dpi=DPI)
 
 
-def jaccard_heatmap(report: Mapping[str, Any], path: str) -> None:
+def jaccard(report: Report, figure: Any) -> None:
     """Pairwise Jaccard overlap of the tasks' change masks."""
-    tasks = report["tasks"]
     matrix = report["pairwise"]["jaccard"]
-    labels = [t["label"] for t in tasks]
-    figure = _figure(os.path.basename(path))
+    labels = [t["label"] for t in report["tasks"]]
     axes = figure.subplots()
     image = axes.imshow(matrix, vmin=0.0, vmax=1.0, cmap="Blues")
     n = len(matrix)
     digits, size = (3, 10) if n <= 5 else (2, max(5, 48 // n))
     for s, row in enumerate(matrix):
         for t, value in enumerate(row):
-            axes.text(
-                t,
-                s,
-                f"{value:.{digits}f}",
-                ha="center",
-                va="center",
-                color="white" if value > 0.6 else "black",
-                fontsize=size,
-            )
-    ticks = list(range(len(labels)))
-    axes.set_xticks(ticks, labels, rotation=30, ha="right")
-    axes.set_yticks(ticks, labels)
+            style = dict(color="white" if value > 0.6 else "black", fontsize=size)
+            axes.text(t, s, f"{value:.{digits}f}", ha="center", va="center", **style)
+    axes.set_xticks(range(n), labels, rotation=30, ha="right")
+    axes.set_yticks(range(n), labels)
     axes.set_title("Pairwise overlap of change masks (Jaccard)")
     figure.colorbar(image, ax=axes, shrink=0.8)
-    figure.savefig(path, dpi=DPI)
 
 
-def regime(report: Mapping[str, Any], path: str) -> None:
+def regime(report: Report, figure: Any) -> None:
     """Left: retention per task and merge method; right: lift per pair."""
     tasks = report["tasks"]
-    figure = _figure(os.path.basename(path))
+    n = len(tasks)
     kept, lifts = figure.subplots(1, 2, width_ratios=[3, 2])
-    settings = report.get("retention")
-    methods = list(settings["methods"]) if settings else []
-    colors = _colors(len(methods), sequential=False)
+    methods = list(report["retention"]["methods"]) if report["retention"] else []
     width = 0.8 / max(len(methods), 1)
-    positions = list(range(len(tasks)))
     drawn = [0.0, 1.0]
-    for m, (method, color) in enumerate(zip(methods, colors)):
-        values = [(t["retention"] or {}).get(method) for t in tasks]
-        heights = [0.0 if v is None else v for v in values]
-        offsets = [p + (m - (len(methods) - 1) / 2) * width for p in positions]
-        kept.bar(
-            offsets,
-            heights,
-            width,
-            color=color,
-            label=METHODS.get(method, method),
-        )
+    for m, (method, color) in enumerate(zip(methods, _colors(len(methods), False))):
+        heights = [(t["retention"] or {}).get(method) or 0.0 for t in tasks]
+        offsets = [p + (m - (len(methods) - 1) / 2) * width for p in range(n)]
+        kept.bar(offsets, heights, width, color=color, label=METHODS[method])
         drawn += heights
-    # Room above the bars for the legend.
-    kept.set_ylim(min(drawn) * 1.1, max(drawn) * 1.3)
-    if not methods:
-        kept.text(
-            0.5, 0.5, "retention not computed", ha="center", transform=kept.transAxes
-        )
-    kept.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    kept.set_xticks(positions, [t["label"] for t in tasks])
-    kept.set_ylabel("⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩")
-    kept.set_title("How much of each task vector the merge keeps")
-    kept.grid(axis="y", alpha=0.3)
+    kept.set_ylim(min(drawn) * 1.1, max(drawn) * 1.3)  # room for the legend
     if methods:
         kept.legend(fontsize=9, ncols=len(methods), loc="upper center")
+    else:
+        _note(kept, "retention not computed")
+    kept.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    kept.set_xticks(range(n), [t["label"] for t in tasks])
+    kept.set(ylabel="⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩")
+    kept.set_title("How much of each task vector the merge keeps")
+    kept.grid(axis="y", alpha=0.3)
 
-    pair = report["pairwise"]
-    label = {t["model"]: t["label"] for t in tasks}
-    names, values = [], []
-    for s, a in enumerate(pair["models"]):
-        for t in range(s + 1, len(pair["models"])):
-            names.append(f"{label[a]} × {label[pair['models'][t]]}")
-            values.append(pair["lift"][s][t])
-    shown = [0.0 if v is None else v for v in values]
-    lifts.barh(list(range(len(names))), shown, color=_colors(1, sequential=True))
+    pairs = [(s, t) for s in range(n) for t in range(s + 1, n)]
+    names = [f"{tasks[s]['label']} × {tasks[t]['label']}" for s, t in pairs]
+    values = [report["pairwise"]["lift"][s][t] for s, t in pairs]
+    shown = [v or 0.0 for v in values]
+    lifts.barh(range(len(names)), shown, color=_colors(1, sequential=True))
     lifts.axvline(1.0, color="black", linewidth=0.8, linestyle="--")
     for y, value in enumerate(values):
         text = "n/a" if value is None else f" {value:.2f}"
         lifts.text(shown[y], y, text, va="center", fontsize=9)
     if not names:
-        lifts.text(
-            0.5, 0.5, "one task model: no pairs", ha="center", transform=lifts.transAxes
-        )
-    lifts.set_yticks(list(range(len(names))), names)
+        _note(lifts, "one task model: no pairs")
+    lifts.set_yticks(range(len(names)), names)
     lifts.invert_yaxis()
-    lifts.set_xlim(0, max(shown + [1.0]) * 1.25)
+    lifts.set(xlim=(0, max(shown + [1.0]) * 1.25), title="Lift (1: independent-like)")
     lifts.set_xlabel("overlap / overlap of independent supports")
-    lifts.set_title("Lift (1: independent-like)")
     figure.suptitle("Which regime: support overlap and retention (no evaluation)")
-    figure.savefig(path, dpi=DPI)
 
 
-def write_figures(report: Mapping[str, Any], out_dir: str) -> list[str]:
-    """Draw every figure into out_dir; returns the file names written."""
-    draw = {
-        "overlap_histogram.png": overlap_histogram,
-        "density_per_layer.png": density_per_layer,
-        "jaccard.png": jaccard_heatmap,
-        "regime.png": regime,
-    }
+def write_figures(report: Report, out_dir: str) -> list[str]:
+    """Draw every figure of FIGURES into out_dir; returns their file names."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    draw = (overlap_histogram, density_per_layer, jaccard, regime)
     os.makedirs(out_dir, exist_ok=True)
-    for name, function in draw.items():
-        function(report, os.path.join(out_dir, name))
-    return list(draw)
+    for name, function in zip(FIGURES, draw):
+        figure = Figure(figsize=FIGURES[name], dpi=DPI, layout="constrained")
+        FigureCanvasAgg(figure)
+        function(report, figure)
+        figure.savefig(os.path.join(out_dir, name), dpi=DPI)
+    return list(FIGURES)

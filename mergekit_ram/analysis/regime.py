@@ -1,75 +1,69 @@
-"""Which regime a merge is in (docs/report_schema.md, `regime`).
+"""Which regime a merge is in (docs/report_schema.md, `pairwise`, `retention`).
 
 Two numbers tell whether RAM should beat averaging. Do the agents' change
 masks overlap more than independent supports with the same per-tensor
 densities would (lift ≈ 1: independent-like, the paper's regime; lift ≫ 1:
 heavily overlapping)? And how much of agent t's task vector does a merged task
 vector keep, retention = ⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩? The expectations follow
-from the per-tensor counts alone. Retention needs inner products of task
-vectors: the counting pass sums, per tensor, the few that determine retention
-under RAM, RAM+ (any λ, known only once the whole model is counted) and task
-arithmetic (`core.products`), and `retentions` combines them at the end.
+from the per-tensor counts alone; retention combines the few inner products
+the counting pass sums per tensor (`core.products`), because RAM+'s λ is known
+only once the whole model is counted.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
+from mergekit_ram.core.counting import OverlapStatistics
 from mergekit_ram.core.products import Products
 
 # Methods whose retention is reported, in report order → their name in tables
 # and figures (task arithmetic with weight 1/N and 1).
 METHODS = {"ram": "RAM", "ramplus": "RAM+", "ta_mean": "TA 1/N", "ta_sum": "TA 1"}
 
+Groups = Iterable[tuple[int, Sequence[int]]]
 
-def expected_intersections(
-    groups: Iterable[tuple[int, Sequence[int]]], tasks: int
-) -> list[list[float]]:
-    """E[s][t] = Σ_k C_s,k · C_t,k / n_k (the diagonal: C_t).
 
-    `groups`: per tensor k its element count n_k and each task's changed count
-    C_t,k. E is the expected |m_s ∧ m_t| if every task changed a uniformly
-    random subset of each tensor with its observed density d = C / n,
-    independently of the others: Σ_k n_k · d_s,k · d_t,k.
-    """
-    expected = [[0.0] * tasks for _ in range(tasks)]
+def changed_per_tensor(
+    stats: OverlapStatistics, ids: Sequence[Hashable]
+) -> list[tuple[int, list[int]]]:
+    """Per tensor: (elements n_k, each task's changed count C_t,k)."""
+    groups = []
+    for per_task in stats.per_tensor.values():
+        elements = next(iter(per_task.values())).elements if per_task else 0
+        if elements:  # an empty tensor changes nothing and expects nothing
+            groups.append(
+                (elements, [per_task[i].changed if i in per_task else 0 for i in ids])
+            )
+    return groups
+
+
+def expected(groups: Groups, tasks: int) -> tuple[list[list[float]], list[float]]:
+    """What independent supports would give, if every task changed a
+    uniformly random subset of each tensor with its observed density:
+    E[s][t] = Σ_k C_s,k · C_t,k / n_k, the expected |m_s ∧ m_t| (the
+    diagonal: C_t), and Σ_k C_t,k · Π_{s≠t} (1 − C_s,k / n_k), task t's
+    expected unique elements."""
+    inter = [[0.0] * tasks for _ in range(tasks)]
+    unique = [0.0] * tasks
     for elements, changed in groups:
-        if not elements:
-            continue
         for s in range(tasks):
+            alone = float(changed[s])
             for t in range(tasks):
                 if s == t:
-                    expected[s][t] += changed[s]
+                    inter[s][t] += changed[s]
                 else:
-                    expected[s][t] += changed[s] * changed[t] / elements
-    return expected
-
-
-def expected_unique(
-    groups: Iterable[tuple[int, Sequence[int]]], tasks: int
-) -> list[float]:
-    """Σ_k C_t,k · Π_{s≠t} (1 − d_s,k): task t's unique elements expected
-    under the same independence as `expected_intersections`."""
-    expected = [0.0] * tasks
-    for elements, changed in groups:
-        if not elements:
-            continue
-        for t in range(tasks):
-            alone = float(changed[t])
-            for s in range(tasks):
-                if s != t:
-                    alone *= 1.0 - changed[s] / elements
-            expected[t] += alone
-    return expected
+                    inter[s][t] += changed[s] * changed[t] / elements
+                    alone *= 1.0 - changed[t] / elements
+            unique[s] += alone
+    return inter, unique
 
 
 def ratio(observed: float, expected: float) -> float | None:
-    """observed / expected; None when expected is 0.
-
-    For an overlap (lift) expected 0 means that in every tensor one of the
-    two tasks changes nothing, so the observed overlap is 0 too: 0 / 0.
-    """
+    """observed / expected; None when expected is 0 (for a lift: in every
+    tensor one of the two tasks changes nothing, so the overlap is 0 / 0)."""
     return observed / expected if expected else None
 
 
@@ -79,17 +73,46 @@ def jaccard(intersection: float, changed_s: float, changed_t: float) -> float:
     return intersection / union if union else 0.0
 
 
+def pairwise(
+    stats: OverlapStatistics, ids: Sequence[Hashable], expected: list[list[float]]
+) -> dict[str, Any]:
+    """report.json `pairwise`: N×N intersections |m_s ∧ m_t| and Jaccard
+    overlaps in `ids` order, beside what independent supports would give
+    (`expected`, the intersections of `expected`)."""
+    n = len(ids)
+    changed = [stats.tasks[i].changed for i in ids]
+    inter = [
+        [
+            changed[s] if s == t else stats.tasks[a].intersections.get(b, 0)
+            for t, b in enumerate(ids)
+        ]
+        for s, a in enumerate(ids)
+    ]
+
+    def matrix(cell: Any) -> list[list[Any]]:
+        return [[cell(s, t) for t in range(n)] for s in range(n)]
+
+    return {
+        "models": [str(i) for i in ids],
+        "intersection": inter,
+        "jaccard": matrix(lambda s, t: jaccard(inter[s][t], changed[s], changed[t])),
+        "expected_intersection": expected,
+        "lift": matrix(lambda s, t: ratio(inter[s][t], expected[s][t])),
+        "expected_jaccard": matrix(
+            lambda s, t: jaccard(expected[s][t], changed[s], changed[t])
+        ),
+    }
+
+
 def retentions(
     groups: Iterable[tuple[Products, Mapping[Hashable, float]]],
     ids: Sequence[Hashable],
 ) -> dict[str, dict[Hashable, float | None]]:
     """Per method of METHODS and task: ⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩.
 
-    `groups`: each tensor's Products with the RAM+ λ of every task in it
-    (global λ: the same mapping for every tensor). `ram` uses λ = 1,
-    `ramplus` those λ, `ta_mean` task arithmetic with weight 1/N, `ta_sum`
-    with weight 1 (N = len(ids)). None where ⟨τ_t, τ_t⟩ = 0 (the task
-    changes nothing: retention is undefined).
+    `groups`: each tensor's Products with the RAM+ λ of every task in it.
+    `ram` uses λ = 1, `ramplus` those λ, `ta_mean` / `ta_sum` task arithmetic
+    with weight 1/N / 1. None where ⟨τ_t, τ_t⟩ = 0 (the task changes nothing).
     """
     numerators = {m: dict.fromkeys(ids, 0.0) for m in METHODS}
     norms = dict.fromkeys(ids, 0.0)
@@ -107,11 +130,9 @@ def retentions(
             numerators["ta_sum"][task] += column
     return {
         method: {
-            task: (
-                values[task] / norms[task]
-                if norms[task] > 0 and math.isfinite(norms[task])
-                else None
-            )
+            task: values[task] / norms[task]
+            if norms[task] > 0 and math.isfinite(norms[task])
+            else None
             for task in ids
         }
         for method, values in numerators.items()

@@ -2,19 +2,27 @@
 
 `Analysis` is what the pass yields (from `mergekit-ram analyze` or from a
 merge's own statistics); `build_report` derives the whole document from it.
-The schema is docs/report_schema.md (schema_version SCHEMA_VERSION).
+The document is the schema docs/report_schema.md states, and what the
+renderings and figures read, so that what is shown is what is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.analysis.naming import labels_for, layer_of
-from mergekit_ram.analysis.pairs import changed_per_tensor, pairwise
-from mergekit_ram.analysis.regime import METHODS, expected_unique, ratio, retentions
-from mergekit_ram.analysis.verdict import verdict_of
+from mergekit_ram.analysis.regime import (
+    METHODS,
+    changed_per_tensor,
+    expected,
+    pairwise,
+    ratio,
+    retentions,
+)
+from mergekit_ram.analysis.verdict import judge
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
 from mergekit_ram.core.naming import MODULES, module_of
 from mergekit_ram.core.scale import ScaleRule
@@ -24,6 +32,7 @@ from mergekit_ram.integration.card import shared_mode
 from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import statistics_document, with_survival
 
+SCHEMA_VERSION = 1
 # RAM+'s r in the paper: the sweep and retention use it where a configuration has r = 0.
 PAPER_R = 0.1
 # The paper's settings: what a configuration of another merge method is analysed with.
@@ -34,104 +43,77 @@ PAPER_DEFAULTS = MergeSettings(
 
 @dataclass
 class Analysis:
-    """What one statistics pass yields, with the settings it was made for."""
+    """What one statistics pass yields, with the settings it was made for;
+    `survival`: how much of λ survived the written dtype (only a merge counts
+    it); `shared`: the configuration's `shared` mode, for the verdict's advice."""
 
     method: str
     base_model: str | None
     settings: MergeSettings
     stats: OverlapStatistics
     scales: dict[Hashable, float]
-    # How much of λ survived the written dtype: only a merge counts it.
     survival: SurvivalTally | None = None
-    # The configuration's `shared` mode, for the verdict's advice (None: unknown).
     shared: str | None = None
 
     @classmethod
     def from_merge(cls, config: Any, run: MergeRun) -> Analysis:
         """From the (settings, statistics, scales) a RAM+ merge computed."""
         settings, stats, scales = run.result
-        base = config.base_model
+        base = None if config.base_model is None else str(config.base_model)
+        shared = shared_mode(run.values)
         return cls(
-            config.merge_method,
-            None if base is None else str(base),
-            settings,
-            stats,
-            dict(scales),
-            run.tally,
-            shared_mode(run.values),
+            config.merge_method, base, settings, stats, dict(scales), run.tally, shared
         )
 
 
-SCHEMA_VERSION = 1
+def layer_of(name: str) -> int | None:
+    """The layer index in a tensor name (first all-digit component), or None."""
+    match = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    return int(match.group(1)) if match else None
+
+
+def labels_for(models: Sequence[str]) -> dict[str, str]:
+    """Short names: last path component, or the full name where those collide."""
+    short = {m: m.split("+")[0].rstrip("/").split("/")[-1] or m for m in models}
+    return short if len(set(short.values())) == len(short) else {m: m for m in models}
 
 
 def tensor_local_scales(
     stats: OverlapStatistics, task: Hashable, rule: ScaleRule
 ) -> dict[str, Any]:
     """The rule's λ inside each tensor where the task has unique elements."""
-    values = []
-    for per_task in stats.per_tensor.values():
-        counts = per_task.get(task)
-        if counts is not None and counts.unique > 0:
-            values.append(
-                (rule.scale(counts.shared, counts.unique), counts.elements, counts)
-            )
+    values = [
+        (rule.scale(c.shared, c.unique), c)
+        for c in (per_task.get(task) for per_task in stats.per_tensor.values())
+        if c is not None and c.unique > 0
+    ]
     if not values:
         return dict(mean=None, unique_weighted_mean=None, min=None, max=None, tensors=0)
-    elements = sum(e for _, e, _ in values)
-    unique = sum(c.unique for _, _, c in values)
-    return dict(
-        mean=sum(v * e for v, e, _ in values) / elements,
-        unique_weighted_mean=sum(v * c.unique for v, _, c in values) / unique,
-        min=min(v for v, _, _ in values),
-        max=max(v for v, _, _ in values),
-        tensors=len(values),
-    )
+    lams = [v for v, _ in values]
+    mean = sum(v * c.elements for v, c in values) / sum(c.elements for _, c in values)
+    weighted = sum(v * c.unique for v, c in values) / sum(c.unique for _, c in values)
+    found = dict(mean=mean, unique_weighted_mean=weighted, min=min(lams))
+    return found | dict(max=max(lams), tensors=len(values))
 
 
-def _constant_summary(value: float, tensors: int) -> dict[str, Any]:
-    return dict(
-        mean=value, unique_weighted_mean=value, min=value, max=value, tensors=tensors
-    )
-
-
-def retention_rule(analysis: Analysis) -> ScaleRule:
-    """The RAM+ rule retention is computed for: the configuration's, or the
-    paper's r where the configuration has r = 0 (RAM+ would equal RAM)."""
-    settings = analysis.settings
-    if settings.r > 0:
-        return settings.rule
-    return ScaleRule(r=PAPER_R, alpha=settings.alpha, saturation=settings.saturation)
-
-
-def retention(
-    analysis: Analysis, explicit: dict[Hashable, float]
-) -> dict[Hashable, dict[str, float | None]] | None:
-    """Per task, retention under each analysis.regime method; None without
-    inner products (statistics counted without them).
-
-    RAM+ uses retention_rule's λ in the configuration's statistics scope,
-    global or per tensor, with any explicit unique_scale instead.
-    """
+def retention(analysis: Analysis, explicit: dict[Hashable, float]) -> dict | None:
+    """Per task, its retention under each method of METHODS, RAM+ with the
+    configuration's λ (the paper's r where it has r = 0, where RAM+ would be
+    RAM) in its statistics scope, an explicit unique_scale instead where set;
+    None without inner products."""
     stats = analysis.stats
     if not stats.inner_products:
         return None
-    rule = retention_rule(analysis)
+    rule = retention_settings(analysis.settings).rule
     ids = list(stats.tasks)
     if analysis.settings.statistics == "tensor":
-        groups = [
-            (
-                products,
-                {
-                    **{
-                        t: rule.scale(c.shared, c.unique)
-                        for t, c in stats.per_tensor[name].items()
-                    },
-                    **explicit,
-                },
-            )
-            for name, products in stats.products.items()
-        ]
+        groups = []
+        for name, products in stats.products.items():
+            local = {
+                t: rule.scale(c.shared, c.unique)
+                for t, c in stats.per_tensor[name].items()
+            }
+            groups.append((products, local | explicit))
     else:
         scales = stats.scales(rule, explicit)
         groups = [(products, scales) for products in stats.products.values()]
@@ -139,62 +121,40 @@ def retention(
     return {t: {m: values[t] for m, values in by_method.items()} for t in ids}
 
 
+def retention_settings(settings: MergeSettings) -> MergeSettings:
+    """The settings retention's RAM+ uses: the paper's r where r = 0."""
+    return dataclasses.replace(settings, r=settings.r or PAPER_R)
+
+
 def _grouped(
     stats: OverlapStatistics,
     ids: Sequence[Hashable],
     key: Callable[[str], Any],
-    order: Sequence[Any] | None,
     field: str,
+    order: Callable[[Any], Any] | None = None,
 ) -> list[dict[str, Any]]:
-    groups: dict[Any, dict[str, Any]] = {}
+    """Per group of tensors (`key` of a name; None: in no group), sorted
+    by `order`: its size and each task's counts summed over it."""
+    groups: dict[Any, list] = {}
     for name, per_task in stats.per_tensor.items():
         group = key(name)
         if group is None:
             continue
-        entry = groups.setdefault(
-            group,
-            {"tensors": 0, "elements": 0, "counts": {i: TaskCounts() for i in ids}},
-        )
-        entry["tensors"] += 1
-        entry["elements"] += next(iter(per_task.values())).elements if per_task else 0
+        entry = groups.setdefault(group, [0, 0, {i: TaskCounts() for i in ids}])
+        entry[0] += 1
+        entry[1] += next(iter(per_task.values())).elements if per_task else 0
         for task_id, counts in per_task.items():
-            total = entry["counts"].setdefault(task_id, TaskCounts())
-            add_histogram(total.histogram, counts.histogram)
-    keys = [g for g in order if g in groups] if order else sorted(groups)
-    return [
-        {
-            field: group,
-            "tensors": groups[group]["tensors"],
-            "elements": groups[group]["elements"],
-            "tasks": [
-                {
-                    "model": str(task_id),
-                    "changed": counts.changed,
-                    "shared": counts.shared,
-                    "unique": counts.unique,
-                }
-                for task_id, counts in groups[group]["counts"].items()
-            ],
-        }
-        for group in keys
-    ]
-
-
-def retention_settings(analysis: Analysis, tasks: int) -> dict[str, Any] | None:
-    """What the retention figures were computed with (report.json `retention`)."""
-    if not analysis.stats.inner_products:
-        return None
-    rule = retention_rule(analysis)
-    return {
-        "methods": list(METHODS),
-        "ramplus": {
-            "r": rule.r,
-            "alpha": rule.alpha,
-            "saturation": rule.saturation,
-            "statistics": analysis.settings.statistics,
-        },
-        "ta_mean_weight": 1.0 / tasks if tasks else None,
-    }
+            add_histogram(entry[2][task_id].histogram, counts.histogram)
+    out = []
+    for group in sorted(groups, key=order):
+        tensors, elements, counts = groups[group]
+        tasks = [
+            dict(model=str(i), changed=c.changed, shared=c.shared, unique=c.unique)
+            for i, c in counts.items()
+        ]
+        out.append({field: group, "tensors": tensors, "elements": elements})
+        out[-1]["tasks"] = tasks
+    return out
 
 
 def build_report(
@@ -217,43 +177,45 @@ def build_report(
         i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
     }
     kept = retention(analysis, explicit)
-    unique_expected = expected_unique(changed_per_tensor(stats, ids), len(ids))
-    for row, task_id, alone in zip(document["tasks"], ids, unique_expected):
-        row["label"] = labels[str(task_id)]
-        row["scale_explicit"] = task_id in explicit
+    independent, alone = expected(changed_per_tensor(stats, ids), len(ids))
+    for row, task_id, unique in zip(document["tasks"], ids, alone):
         local = tensor_local_scales(stats, task_id, rule)
         if task_id in explicit:
-            local = _constant_summary(row["scale"], local["tensors"])
-        row["scale_tensor_local"] = local
-        row["unique_share"] = ratio(row["unique"], row["changed"])
-        row["expected_unique_share"] = ratio(alone, row["changed"])
-        row["retention"] = None if kept is None else kept[task_id]
+            local = {**dict.fromkeys(local, row["scale"]), "tensors": local["tensors"]}
+        row |= {
+            "label": labels[str(task_id)],
+            "scale_explicit": task_id in explicit,
+            "scale_tensor_local": local,
+            "unique_share": ratio(row["unique"], row["changed"]),
+            "expected_unique_share": ratio(unique, row["changed"]),
+            "retention": None if kept is None else kept[task_id],
+        }
     if sweep is None:
         sweep = [PAPER_R] if settings.r == 0 else []
     sweeps = []
-    for r in sweep:
-        swept = ScaleRule(
-            r=float(r), alpha=settings.alpha, saturation=settings.saturation
-        )
-        sweeps.append(
-            {
-                "r": float(r),
-                "scale": {str(i): v for i, v in stats.scales(swept).items()},
-                "scale_tensor_local": {
-                    str(i): tensor_local_scales(stats, i, swept)["unique_weighted_mean"]
-                    for i in ids
-                },
-            }
-        )
-    return {
+    for r in map(float, sweep):
+        swept = dataclasses.replace(settings, r=r).rule
+        scale = {str(i): v for i, v in stats.scales(swept).items()}
+        local = [tensor_local_scales(stats, i, swept) for i in ids]
+        local = {str(i): x["unique_weighted_mean"] for i, x in zip(ids, local)}
+        sweeps.append({"r": r, "scale": scale, "scale_tensor_local": local})
+    plus = retention_settings(settings).as_dict()
+    del plus["epsilon"]
+    report = {
         "schema_version": SCHEMA_VERSION,
         "method": analysis.method,
         "base_model": analysis.base_model,
         **document,
-        "pairwise": pairwise(stats, ids),
-        "per_module": _grouped(stats, ids, module_of, MODULES, "module"),
-        "per_layer": _grouped(stats, ids, layer_of, None, "layer"),
+        "pairwise": pairwise(stats, ids, independent),
+        "per_module": _grouped(stats, ids, module_of, "module", MODULES.index),
+        "per_layer": _grouped(stats, ids, layer_of, "layer"),
         "sweep": sweeps,
-        "retention": retention_settings(analysis, len(ids)),
-        "verdict": verdict_of(stats, analysis.shared).as_dict(),
+        "retention": None
+        if kept is None
+        else {
+            "methods": list(METHODS),
+            "ramplus": plus,
+            "ta_mean_weight": 1.0 / len(ids) if ids else None,
+        },
     }
+    return report | {"verdict": judge(report, analysis.shared).as_dict()}

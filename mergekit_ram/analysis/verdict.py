@@ -1,10 +1,9 @@
 """Which case a merge's task models are in, said in one sentence: the verdict.
 
-`mergekit-ram analyze` (its text, report.json's `verdict`, report.md) and the
-model card of a merge that counted whole-model statistics state it, so that a
-user reads the case off the numbers instead of interpreting tables. It says
-three things, each decided by a threshold below (docs/analyze.md, "The
-verdict", says which measurements each was chosen from):
+`mergekit-ram analyze` and the model card of a merge that counted whole-model
+statistics state it, so that a user reads the case off the numbers instead of
+interpreting tables. It says three things, each decided by a threshold below
+(docs/analyze.md, "The verdict", says which measurements each was chosen from):
 
 - the supports, per pair of task models: nested (at least NESTED of the
   smaller change mask lies inside the larger), overlapping (lift at least
@@ -12,13 +11,12 @@ verdict", says which measurements each was chosen from):
 - which agent RAM would dilute: the one with the lowest retention under RAM,
   with every agent within a factor ALONE of it, unless every agent keeps at
   least KEPT_WHOLE of its task vector;
-- what to try beside RAM: what benchmarks/agents measured in that case, as
-  something to try, pointing to the numbers (docs/analyze.md, "What the
-  benchmark measured"); never what the configuration already uses (`shared`).
+- what to try beside RAM: what benchmarks/agents measured in that case,
+  pointing to the numbers; never what the configuration already uses.
 
-Task models that change no element above epsilon are named as such: they add
-nothing to the merge, so RAM neither dilutes nor keeps them, and when none
-changes anything the merge is the base model.
+Task models that change no element above epsilon add nothing to the merge:
+they are named as such, never as diluted, and when none changes anything the
+merge is the base model.
 """
 
 from __future__ import annotations
@@ -27,33 +25,34 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mergekit_ram.analysis.naming import labels_for
-from mergekit_ram.analysis.pairs import pairwise
-from mergekit_ram.analysis.regime import ratio, retentions
-from mergekit_ram.core.counting import OverlapStatistics
-
 # A pair overlaps when its lift (observed overlap / the overlap of independent
 # supports) is at least this, and avoids each other at most its inverse; a
 # unique share this far below or above its expectation is noted likewise.
 OVERLAPPING = 1.5
-# A pair is nested when this share of the smaller change mask lies inside the
-# larger one (its agent then has at most 1 − NESTED of its changes to itself).
+# A pair is nested when this share of the smaller change mask lies inside the larger.
 NESTED = 0.9
 # An agent whose retention under RAM is at least this is kept (nearly) whole.
 KEPT_WHOLE = 0.9
-# Agents whose retention is within this factor of the lowest are diluted alike;
-# below it the lowest one is diluted alone.
+# Agents whose retention is within this factor of the lowest are diluted alike.
 ALONE = 0.9
-
 # Pair kinds, in the order the whole merge is named after them.
 KINDS = ("nested", "overlapping", "disjoint", "independent")
 
-
 TUNED = "tuned task arithmetic / TIES / DARE"
 BENCHMARK = "mergekit-ram's agent benchmark"
-# Where its numbers are (documentation, not code: a test checks them against
-# benchmarks/agents/results/results.json).
+# Where its numbers are: documentation, not code (a test checks them).
 MEASURED = "numbers: mergekit-ram's docs/analyze.md#what-the-benchmark-measured"
+ONE_MODEL = (
+    "one task model: every change it makes is its own, so RAM adds its whole "
+    "task vector, as task arithmetic with weight 1 does."
+)
+GLOSS = {
+    "independent": "the agents change the same elements about as often as "
+    "chance predicts",
+    "overlapping": "the agents change the same elements far more often than "
+    "chance predicts",
+    "disjoint": "the agents avoid each other's elements",
+}
 
 
 @dataclass(frozen=True)
@@ -71,36 +70,28 @@ class PairSupports:
 class Verdict:
     """The verdict's findings and its sentence (report.json `verdict`)."""
 
-    supports: str | None
-    pairs: tuple[PairSupports, ...]
-    diluted: tuple[str, ...]
     sentence: str
+    supports: str | None = None
+    pairs: tuple[PairSupports, ...] = ()
+    diluted: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "sentence": self.sentence,
-            "supports": self.supports,
-            "diluted": list(self.diluted),
-            "pairs": [
-                {"models": list(p.models), "supports": p.supports, "inside": p.inside}
-                for p in self.pairs
-            ],
-        }
+        pairs = [
+            dict(models=list(p.models), supports=p.supports, inside=p.inside)
+            for p in self.pairs
+        ]
+        found = dict(sentence=self.sentence, supports=self.supports)
+        return found | dict(diluted=list(self.diluted), pairs=pairs)
 
 
 def pair_supports(lift: float | None, inside: float) -> str:
-    """nested, overlapping, disjoint or independent (thresholds above).
-
-    lift None: independent supports would not overlap at all (in every
-    tensor one of the two changes nothing), so neither do these.
-    """
+    """nested, overlapping, disjoint or independent (thresholds above); lift
+    None: independent supports would not overlap at all, nor do these."""
     if inside >= NESTED:
         return "nested"
     if lift is None or lift * OVERLAPPING <= 1.0:
         return "disjoint"
-    if lift >= OVERLAPPING:
-        return "overlapping"
-    return "independent"
+    return "overlapping" if lift >= OVERLAPPING else "independent"
 
 
 def unique_share_departure(
@@ -112,140 +103,65 @@ def unique_share_departure(
         return None
     if observed * OVERLAPPING <= expected:
         return "below"
-    if observed >= expected * OVERLAPPING:
-        return "above"
-    return None
+    return "above" if observed >= expected * OVERLAPPING else None
 
 
-ONE_MODEL = (
-    "one task model: every change it makes is its own, so RAM adds its whole "
-    "task vector, as task arithmetic with weight 1 does."
-)
-
-
-def judge(
-    models: Sequence[str],
-    labels: Sequence[str],
-    changed: Sequence[int],
-    intersection: Sequence[Sequence[float]],
-    expected: Sequence[Sequence[float]],
-    kept: Sequence[float | None] | None,
-    *,
-    epsilon: float | None = None,
-    shared: str | None = None,
-) -> Verdict:
-    """The verdict on task models with these counts.
-
-    `intersection` / `expected`: the observed and independent overlaps of
-    each pair (report.json `pairwise`); `kept`: each model's retention under
-    RAM, None where it was not computed (a merge without inner products);
-    `epsilon`: the change threshold, quoted when some model changes nothing;
-    `shared`: the configuration's `shared` mode, None when unknown or it
-    varies per tensor, so the advice never suggests what is already in use.
-    """
-    label = dict(zip(models, labels))
-    active = [m for m, c in zip(models, changed) if c > 0]
-    idle = [label[m] for m, c in zip(models, changed) if c == 0]
+def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
+    """The verdict on a report's numbers (report.json without `verdict`):
+    each task's changes, each pair's overlap and lift, each task's retention
+    under RAM where computed (not after a merge's own pass); `shared`: the
+    configuration's `shared` mode (None: unknown or varying per tensor)."""
+    tasks, pair = report["tasks"], report["pairwise"]
+    models = [t["model"] for t in tasks]
+    label = {t["model"]: t["label"] for t in tasks}
+    size = {t["model"]: t["changed"] for t in tasks}
+    active = [m for m in models if size[m] > 0]
+    idle = [label[m] for m in models if size[m] == 0]
+    above = f"above epsilon ({report['epsilon']:g})"
+    nothing = (
+        ["change nothing", "add"] if len(idle) != 1 else ["changes nothing", "adds"]
+    )
+    one = len(models) == 1
     if not active:
-        return Verdict(None, (), (), _nothing_changed(len(models), epsilon))
-    if len(models) < 2:
-        return Verdict(None, (), (), ONE_MODEL)
+        who = "the task model changes no" if one else "no task model changes any"
+        copies = "model is not a copy" if one else "models are not copies"
+        return Verdict(
+            f"{who} element {above}, so there is nothing to merge and RAM returns "
+            "the base model; if epsilon is larger than the fine-tuning's changes, "
+            f"lower `epsilon`, else check that the task {copies} of the base."
+        )
+    if one:
+        return Verdict(ONE_MODEL)
     if len(active) == 1:
-        return Verdict(None, (), (), _only_one(label[active[0]], idle, epsilon))
-    size = dict(zip(models, changed))
-    pairs = _pairs(models, changed, intersection, expected)
-    supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
-    live = None if kept is None else [k for k, c in zip(kept, changed) if c > 0]
-    diluted, dilution = _dilution(active, label, live, idle=bool(idle))
-    clauses = [
-        _supports_clause(pairs, label, size),
-        *([_idle_clause(idle, epsilon)] if idle else []),
-        dilution,
-        _advice(supports, len(diluted) == 1, shared),
-    ]
-    return Verdict(supports, tuple(pairs), diluted, "; ".join(clauses) + ".")
-
-
-def _pairs(
-    models: Sequence[str],
-    changed: Sequence[int],
-    intersection: Sequence[Sequence[float]],
-    expected: Sequence[Sequence[float]],
-) -> list[PairSupports]:
-    """How each pair of models that both change something relates."""
+        name = label[active[0]]
+        return Verdict(
+            f"only {name} changes anything {above}; {_names(idle)} {nothing[0]}: "
+            f"there is nothing for RAM to average, so it adds {name}'s task "
+            "vector whole, as task arithmetic with weight 1 does."
+        )
     pairs = []
-    for s in range(len(models)):
-        for t in range(s + 1, len(models)):
-            smaller = min(changed[s], changed[t])
-            if smaller == 0:
-                continue  # a model that changes nothing overlaps no one
-            inside = intersection[s][t] / smaller
-            lift = ratio(intersection[s][t], expected[s][t])
-            kind = pair_supports(lift, inside)
-            pairs.append(PairSupports((models[s], models[t]), kind, lift, inside))
-    return pairs
-
-
-def _above(epsilon: float | None) -> str:
-    """'above epsilon (1e-05)': the threshold a change must exceed to count."""
-    return "above epsilon" if epsilon is None else f"above epsilon ({epsilon:g})"
-
-
-def _nothing_changed(count: int, epsilon: float | None) -> str:
-    """No task vector has an element above epsilon: RAM returns the base, and
-    the likely causes are an epsilon above the fine-tuning's changes or task
-    models that are copies of the base."""
-    who = "the task model changes no" if count == 1 else "no task model changes any"
-    models = "model is not a copy" if count == 1 else "models are not copies"
-    return (
-        f"{who} element {_above(epsilon)}, so there is nothing to merge and "
-        "RAM returns the base model; if epsilon is larger than the fine-tuning's "
-        f"changes, lower `epsilon`, else check that the task {models} of the base."
-    )
-
-
-def _only_one(name: str, idle: Sequence[str], epsilon: float | None) -> str:
-    """One model changes something and the others nothing: RAM adds that task
-    vector whole, and the others are named so they are not taken for
-    agents RAM keeps."""
-    nothing = "changes nothing" if len(idle) == 1 else "change nothing"
-    return (
-        f"only {name} changes anything {_above(epsilon)}; {_names(idle)} "
-        f"{nothing}: there is nothing for RAM to average, so it adds {name}'s "
-        "task vector whole, as task arithmetic with weight 1 does."
-    )
-
-
-def _idle_clause(idle: Sequence[str], epsilon: float | None) -> str:
-    """The models that change nothing: they add nothing, so RAM neither
-    dilutes nor keeps them (their retention is 0 or undefined)."""
-    verb = "changes nothing" if len(idle) == 1 else "change nothing"
-    adds = "adds" if len(idle) == 1 else "add"
-    return f"{_names(idle)} {verb} {_above(epsilon)} and {adds} nothing to the merge"
-
-
-def verdict_of(stats: OverlapStatistics, shared: str | None = None) -> Verdict:
-    """The verdict on counted statistics; without inner products (a merge's
-    own pass) it cannot say which agent RAM dilutes. `shared`: the
-    configuration's `shared` mode (judge), None when unknown."""
-    ids = list(stats.tasks)
-    models = [str(i) for i in ids]
-    labels = labels_for(models)
-    pair = pairwise(stats, ids)
+    for s, a in enumerate(models):
+        for t, b in enumerate(models[s + 1 :], s + 1):
+            smaller = min(size[a], size[b])
+            if smaller:  # a model that changes nothing overlaps no one
+                inside, lift = pair["intersection"][s][t] / smaller, pair["lift"][s][t]
+                pairs.append(
+                    PairSupports((a, b), pair_supports(lift, inside), lift, inside)
+                )
+    supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
     kept = None
-    if stats.inner_products:
-        ram = retentions(((p, {}) for p in stats.products.values()), ids)["ram"]
-        kept = [ram[i] for i in ids]
-    return judge(
-        models,
-        [labels[m] for m in models],
-        [stats.tasks[i].changed for i in ids],
-        pair["intersection"],
-        pair["expected_intersection"],
-        kept,
-        epsilon=stats.epsilon,
-        shared=shared,
+    if report["retention"] is not None:
+        kept = {t["model"]: t["retention"]["ram"] for t in tasks if t["changed"]}
+    diluted, dilution = _dilution(
+        kept, label, every="every other agent" if idle else "every agent"
     )
+    clauses = [_supports_clause(pairs, label, size)]
+    if idle:
+        clauses.append(
+            f"{_names(idle)} {nothing[0]} {above} and {nothing[1]} nothing to the merge"
+        )
+    clauses += [dilution, _advice(supports, len(diluted) == 1, shared)]
+    return Verdict("; ".join(clauses) + ".", supports, tuple(pairs), diluted)
 
 
 def _span(values: Sequence[float], digits: int = 2) -> str:
@@ -258,31 +174,21 @@ def _names(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-GLOSS = {
-    "independent": "the agents change the same elements about as often as "
-    "chance predicts",
-    "overlapping": "the agents change the same elements far more often than "
-    "chance predicts",
-    "disjoint": "the agents avoid each other's elements",
-}
-
-
 def _evidence(
     kind: str, pairs: Sequence[PairSupports], label: Mapping, size: Mapping
 ) -> str:
     """The numbers behind one kind of pair: containment or lift."""
     if kind == "nested":
-        return ", ".join(_inside(p, label, size) for p in pairs)
+        inside = []
+        for p in pairs:
+            small, large = sorted(p.models, key=size.__getitem__)
+            share = f"{100 * p.inside:.0f} %"
+            inside.append(
+                f"{share} of {label[small]}'s changes lie inside {label[large]}'s"
+            )
+        return ", ".join(inside)
     lifts = [p.lift for p in pairs if p.lift is not None]
     return f"lift {_span(lifts)}" if lifts else "in different tensors"
-
-
-def _inside(pair: PairSupports, label: Mapping, size: Mapping) -> str:
-    small, large = sorted(pair.models, key=size.__getitem__)
-    return (
-        f"{100 * pair.inside:.0f} % of {label[small]}'s changes lie inside "
-        f"{label[large]}'s"
-    )
 
 
 def _supports_clause(
@@ -305,23 +211,16 @@ def _supports_clause(
 
 
 def _dilution(
-    models: Sequence[str],
-    label: Mapping,
-    kept: Sequence[float | None] | None,
-    idle: bool = False,
+    kept: Mapping[str, float | None] | None, label: Mapping, every: str
 ) -> tuple[tuple[str, ...], str]:
-    """(the models RAM dilutes most, lowest retention first; the clause).
-
-    `models`: those that change something; `idle`: whether some model
-    changing nothing was left out, so "every agent" says "every other agent".
-    """
-    every = "every other agent" if idle else "every agent"
+    """(the models RAM dilutes most, lowest retention first; the clause), from
+    the RAM retention of each model that changes something."""
     if kept is None:
         return (), (
             "to see which agent RAM would dilute, run mergekit-ram analyze on "
             "this configuration"
         )
-    known = {m: k for m, k in zip(models, kept) if k is not None}
+    known = {m: k for m, k in kept.items() if k is not None}
     if not known:
         return (), "no agent changes anything RAM could dilute"
     lowest = min(known.values())
@@ -331,32 +230,27 @@ def _dilution(
             f"(retention {_span(list(known.values()))})"
         )
     limit = lowest / ALONE if lowest > 0 else lowest
-    diluted = sorted(
-        (m for m, k in known.items() if k <= limit and k < KEPT_WHOLE),
-        key=known.__getitem__,
-    )
+    diluted = [m for m, k in known.items() if k <= limit and k < KEPT_WHOLE]
+    diluted.sort(key=known.__getitem__)
     others = [k for m, k in known.items() if m not in diluted]
     rest = ""
     if others:
         rest = f", the {'other' if len(others) == 1 else 'others'} {_span(others)}"
     if len(diluted) == 1:
-        clause = (
+        return tuple(diluted), (
             f"RAM would dilute {label[diluted[0]]} (it keeps {lowest:.2f} of its "
             f"task vector{rest})"
         )
-    else:
-        who = every if not others else _names([label[m] for m in diluted])
-        share = _span([known[m] for m in diluted])
-        clause = (
-            f"RAM would dilute {who} about equally (retention {share}{rest}), "
-            f"{label[diluted[0]]} most"
-        )
-    return tuple(diluted), clause
+    who = _names([label[m] for m in diluted]) if others else every
+    return tuple(diluted), (
+        f"RAM would dilute {who} about equally (retention "
+        f"{_span([known[m] for m in diluted])}{rest}), {label[diluted[0]]} most"
+    )
 
 
-def _advice(supports: str, alone: bool, shared: str | None = None) -> str:
+def _advice(supports: str, alone: bool, shared: str | None) -> str:
     """What to try beside RAM, from what benchmarks/agents measured; never
-    the `shared` mode the configuration already uses (`shared`)."""
+    the `shared` mode the configuration already uses."""
     ties = shared == "ties"
     if supports == "nested":
         return (
@@ -371,26 +265,20 @@ def _advice(supports: str, alone: bool, shared: str | None = None) -> str:
             f"RAM, RAM+ written in float32 and `shared: ties`{used} all scored "
             f"below the best tuned baseline ({MEASURED})"
         )
-    if alone and ties:
+    if not alone:
         return (
-            "this configuration already uses `shared: ties`, "
-            f"{_ties_kept('; the retention above is RAM with `shared: mean`')}; "
-            f"beside it, compare with {TUNED}"
+            f"compare with {TUNED}: in neither regime of {BENCHMARK} did RAM beat "
+            f"the best tuned one ({MEASURED})"
         )
-    if alone:
-        return f"beside RAM, try `shared: ties`, {_ties_kept('')}, and {TUNED}"
-    return (
-        f"compare with {TUNED}: in neither regime of {BENCHMARK} did RAM beat "
-        f"the best tuned one ({MEASURED})"
-    )
-
-
-def _ties_kept(note: str) -> str:
-    """What `shared: ties` did for the benchmark's sparse agent: the evidence
-    for trying it, or for keeping it where it is in use (`note` inside the
-    parenthesis)."""
-    return (
+    # What `shared: ties` did for the benchmark's sparse agent: the evidence
+    # for trying it, or for keeping it where it is in use.
+    note = "; the retention above is RAM with `shared: mean`" if ties else ""
+    kept = (
         f"which kept such an agent's task vector in {BENCHMARK} and scored "
         f"level with the best tuned baseline there, where RAM scored below it "
         f"({MEASURED}{note})"
     )
+    if ties:
+        used = "this configuration already uses `shared: ties`"
+        return f"{used}, {kept}; beside it, compare with {TUNED}"
+    return f"beside RAM, try `shared: ties`, {kept}, and {TUNED}"

@@ -22,40 +22,18 @@ would keep, without merging or a second read.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis
 from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.settings import MergeSettings
 from mergekit_ram.integration.card import shared_mode
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.statistics import count_planned, plan_merges
-from mergekit_ram.integration.validation import (
-    Findings,
-    check_plan,
-    resolved_values,
-)
-
-
-def resolve_settings(
-    method: str,
-    merges: Sequence[Any],
-    epsilon: float | None,
-    findings: Findings | None = None,
-) -> tuple[MergeSettings, dict[Hashable, float | None]]:
-    """Settings and explicit unique_scale per model, as the merge would use
-    them (and checked as the merge checks them, `findings`' warnings with)."""
-    if is_ours(method):
-        settings, explicit = check_plan(list(merges), findings)
-    else:
-        settings, explicit = PAPER_DEFAULTS, {}
-    if epsilon is not None:
-        settings = dataclasses.replace(settings, epsilon=float(epsilon))
-    return settings, explicit
+from mergekit_ram.integration.validation import Findings, check_plan, resolved_values
 
 
 def analyze_config(
@@ -65,7 +43,9 @@ def analyze_config(
     epsilon: float | None = None,
     findings: Findings | None = None,
 ) -> Analysis:
-    """Plan `config` and run the statistics engine once over its tensors."""
+    """Plan `config` and run the statistics engine once over its tensors, with
+    the settings (checked as the merge checks them, `findings`' warnings with)
+    and explicit unique_scale the merge would use; `epsilon` overrides."""
     install()
     merges = plan_merges(config, options)
     if not merges:
@@ -76,29 +56,17 @@ def analyze_config(
             "analyze needs a base_model: task vectors are measured from it"
         )
     ours = is_ours(config.merge_method)
-    settings, explicit = resolve_settings(
-        config.merge_method, merges, epsilon, findings
+    settings, explicit = (
+        check_plan(list(merges), findings) if ours else (PAPER_DEFAULTS, {})
     )
-    stats, scales = count_planned(
-        merges,
-        settings,
-        explicit,
-        options,
-        desc="Analyzing task vectors",
-        inner_products=True,
-    )
-    reference = config.base_model if config.base_model is not None else base
-    return require_task_vectors(
-        Analysis(
-            config.merge_method,
-            str(reference),
-            settings,
-            stats,
-            scales,
-            shared=shared_mode(resolved_values(merges)) if ours else None,
-        ),
-        len(merges),
-    )
+    if epsilon is not None:
+        settings = replace(settings, epsilon=float(epsilon))
+    counting = dict(desc="Analyzing task vectors", inner_products=True)
+    stats, scales = count_planned(merges, settings, explicit, options, **counting)
+    reference = str(base if config.base_model is None else config.base_model)
+    found = Analysis(config.merge_method, reference, settings, stats, scales)
+    found.shared = shared_mode(resolved_values(merges)) if ours else None
+    return require_task_vectors(found, len(merges))
 
 
 def require_task_vectors(analysis: Analysis, planned: int | None = None) -> Analysis:
@@ -149,4 +117,4 @@ def merge_with_analysis(
         "reading the models once more for the report."
     )
     analysis = analyze_config(config, options)
-    return dataclasses.replace(analysis, survival=run.tally)
+    return replace(analysis, survival=run.tally)

@@ -4,21 +4,17 @@ No network and no arguments: it builds a tiny Llama base and three agents
 whose task vectors are sparse with overlapping supports (densities near the
 paper's agents), writes a YAML, runs the stock `mergekit-yaml` command
 in-process (the path users take, our methods arriving through the autoload
-hook or the import above), then reports what the statistics pass saw and
-checks the merged model loads with transformers. With --out it writes only
+hook or the import above), then prints the statistics section of the merged
+model's card and checks the model loads with transformers. With --out it writes only
 what it creates there (MODELS, CONFIG, MERGED) and refuses a folder where any
 of them already exists, or that is itself a model, before writing anything.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import time
 
-from mergekit_ram.analysis.tables import SHARE_HEADERS, share_cells, text_table
-from mergekit_ram.commands.install import install
 from mergekit_ram.commands.synthetic import PAPER_LIKE, build_models, merge_yaml
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
@@ -33,11 +29,6 @@ def check_out_dir(root: str) -> None:
     touching anything there: no entry of its own exists yet, and `root` is
     not a model folder (the demo would nest its models inside it)."""
     where = f"mergekit-ram demo --out {root}"
-    fix = "Choose a new or empty folder; nothing was written."
-    if os.path.lexists(root) and not os.path.isdir(root):
-        raise RAMInputError(f"{where}: {root} is a file, not a folder. {fix}")
-    if not os.path.isdir(root):
-        return
     model = [
         n
         for n in ("config.json", *WEIGHT_FILES)
@@ -46,33 +37,18 @@ def check_out_dir(root: str) -> None:
     if model:
         raise RAMInputError(
             f"{where}: {root} is a model folder (it holds {', '.join(model)}); the "
-            f"demo would write its own models and merge inside it. {fix}"
+            "demo would write its own models and merge inside it. Choose a new or "
+            "empty folder; nothing was written."
         )
-    present = [
-        n for n in (MODELS, CONFIG, MERGED) if os.path.lexists(os.path.join(root, n))
-    ]
+    present = [os.path.join(root, n) for n in (MODELS, CONFIG, MERGED)]
+    present = [path for path in present if os.path.lexists(path)]
     if present:
-        names = ", ".join(os.path.join(root, n) for n in present)
         raise RAMInputError(
-            f"{where}: {names} already {'exists' if len(present) == 1 else 'exist'}, "
-            f"and the demo writes {MODELS}/, {CONFIG} and {MERGED}/ there and "
-            "replaces nothing. Move them away or choose a new or empty folder; "
-            "nothing was written."
+            f"{where}: {', '.join(present)} already "
+            f"{'exists' if len(present) == 1 else 'exist'}, and the demo writes "
+            f"{MODELS}/, {CONFIG} and {MERGED}/ there and replaces nothing. Move "
+            "them away or choose a new or empty folder; nothing was written."
         )
-
-
-def _table(document: dict, names: dict) -> str:
-    rows = [
-        [
-            names[task["model"]],
-            *share_cells(
-                task["elements"], task["changed"], task["unique"], task["shared"], 1
-            ),
-            f"{task['scale']:.4f}",
-        ]
-        for task in document["tasks"]
-    ]
-    return "\n".join(text_table(["agent", *SHARE_HEADERS, "λ"], rows))
 
 
 def _check_loads(path: str) -> str:
@@ -80,24 +56,20 @@ def _check_loads(path: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    ids = AutoTokenizer.from_pretrained(path)("w1 w2 w3", return_tensors="pt").input_ids
     with torch.no_grad():
-        logits = model(ids).logits
-    if not torch.isfinite(logits).all():
-        raise RuntimeError(f"the merged model at {path} produced non-finite logits")
+        if not torch.isfinite(model(ids).logits).all():
+            raise RuntimeError(f"the merged model at {path} produced non-finite logits")
     return f"{type(model).__name__}, {model.num_parameters():,} parameters"
 
 
-def run_demo(out_dir: str | None = None) -> str:
-    """Build, merge and report; returns the merged model's directory."""
-    install()  # ram/ramplus even where the autoload hook is off
+def run_demo(root: str) -> str:
+    """Build, merge and report in `root`; returns the merged model's directory."""
     from mergekit.scripts.run_yaml import main as mergekit_yaml
     from transformers.utils import logging as transformers_logging
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers_logging.disable_progress_bar()
-    root = out_dir or tempfile.mkdtemp(prefix="mergekit-ram-demo-")
     check_out_dir(root)
     try:
         os.makedirs(root, exist_ok=True)
@@ -110,23 +82,15 @@ def run_demo(out_dir: str | None = None) -> str:
     started = time.perf_counter()
     print(f"Building a tiny base model and three RL-like agents in {root} ...")
     paths = build_models(os.path.join(root, MODELS), PAPER_LIKE)
-    names = {path: name for name, path in paths.items()}
-    config = os.path.join(root, CONFIG)
+    config, merged = os.path.join(root, CONFIG), os.path.join(root, MERGED)
     with open(config, "x", encoding="utf-8") as handle:
         handle.write(merge_yaml(paths, "ramplus", r=0.1, alpha=2.0))
-    merged = os.path.join(root, MERGED)
     print(f"Merging with RAM+ (paper defaults): mergekit-yaml {config} {merged}")
     mergekit_yaml([config, merged, "--quiet"], standalone_mode=False)
-
-    with open(os.path.join(merged, STATISTICS_FILE), encoding="utf-8") as handle:
-        document = json.load(handle)
-    print()
-    print(
-        f"Whole-model statistics over {document['num_tensors']} tensors, "
-        f"{document['num_elements']:,} elements (epsilon = {document['epsilon']:g}):"
-    )
-    print(_table(document, names))
-    print()
+    # The statistics as the merged model's card (README.md) states them.
+    with open(os.path.join(merged, "README.md"), encoding="utf-8") as handle:
+        card = handle.read()
+    print(card[card.index("\n### RAM+ statistics") :])
     print(
         "unique = changed by this agent alone: RAM keeps it (RAM+ scales it by λ) "
         "where averaging would divide it by 3;\nshared = changed by several agents: "

@@ -102,10 +102,10 @@ def _refuse_report_folder(config: Any, folder: str | None) -> None:
 
 
 def _emit(report: dict, out_dir: str | None) -> None:
-    from mergekit_ram.analysis.render import render_text
+    from mergekit_ram.analysis.render import render_markdown
     from mergekit_ram.commands.report_files import write_report
 
-    click.echo(render_text(report), nl=False)
+    click.echo(render_markdown(report), nl=False)
     if out_dir is not None:
         _paths, message = write_report(report, out_dir)
         click.echo(message)

@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from mergekit_ram.analysis import figures
-from mergekit_ram.analysis.render import REPORT_JSON, render_markdown
+from mergekit_ram.analysis.render import render_markdown
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.output_folder import plain_json
 from mergekit_ram.integration.statistics import strict_json
 
-REPORT_MD = "report.md"
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
 REPORT_LIMIT = 64 << 20  # bytes: a report.json of ours is far smaller
 
 
@@ -25,21 +25,18 @@ def check_report_folder(out_dir: str) -> None:
     written through a link."""
     names = [REPORT_JSON, REPORT_MD, *figures.FIGURES]
     taken = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
-    plain = all(stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode) for n in taken)
-    if not taken or (plain and _ours(os.path.join(out_dir, REPORT_JSON))):
+    if not taken:
         return
+    if all(stat.S_ISREG(os.lstat(os.path.join(out_dir, n)).st_mode) for n in taken):
+        document = plain_json(os.path.join(out_dir, REPORT_JSON), REPORT_LIMIT)
+        if document is not None and {"schema_version", "verdict"} <= set(document):
+            return
     raise RAMInputError(
         f"The report folder {out_dir} holds {', '.join(taken)}, which no "
         "mergekit-ram report wrote there, and the report would replace "
         f"{'it' if len(taken) == 1 else 'them'}. Choose another folder for "
         "--report / --out, or move those files away; nothing was written."
     )
-
-
-def _ours(path: str) -> bool:
-    """Whether path is a report.json an analysis wrote (its own keys)."""
-    document = plain_json(path, REPORT_LIMIT)
-    return document is not None and {"schema_version", "verdict"} <= set(document)
 
 
 def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
@@ -49,7 +46,27 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
     RAMInputError naming it: the report was shown above, nothing else is lost.
     """
     try:
-        return _write(report, out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, REPORT_JSON), "w", encoding="utf-8") as handle:
+            json.dump(strict_json(report), handle, indent=2, allow_nan=False)
+            handle.write("\n")
+        names = figures.write_figures(report, out_dir) if figures.available() else []
+        lines = ["", "## Figures", ""] + [
+            f"![{os.path.splitext(n)[0]}]({n})" for n in names
+        ]
+        note = None
+        if not names:
+            note = (
+                "Figures skipped: matplotlib is not installed. Install the plots "
+                f"extra to get them: {figures.INSTALL_HINT}"
+            )
+            lines.append(note)
+        lines += [
+            "",
+            f"Data: `{REPORT_JSON}` (schema_version {report['schema_version']}).",
+        ]
+        with open(os.path.join(out_dir, REPORT_MD), "w", encoding="utf-8") as handle:
+            handle.write(render_markdown(report) + "\n".join(lines) + "\n")
     except OSError as error:
         raise RAMInputError(
             f"Writing the report into {out_dir} failed ({error.strerror}"
@@ -58,30 +75,8 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
             "free space or choose another folder for --report / --out, then "
             "run the command again."
         ) from error
-
-
-def _write(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, REPORT_JSON)]
-    with open(paths[0], "w", encoding="utf-8") as handle:
-        json.dump(strict_json(report), handle, indent=2, allow_nan=False)
-        handle.write("\n")
-    note = None
-    if figures.available():
-        names = figures.write_figures(report, out_dir)
-    else:
-        names = []
-        note = (
-            "Figures skipped: matplotlib is not installed. Install the plots "
-            f"extra to get them: {figures.INSTALL_HINT}"
-        )
-    md = os.path.join(out_dir, REPORT_MD)
-    with open(md, "w", encoding="utf-8") as handle:
-        handle.write(render_markdown(report, names, note))
-    paths += [md] + [os.path.join(out_dir, name) for name in names]
-    message = f"Report written to {out_dir}: " + ", ".join(
-        os.path.basename(p) for p in paths
+    written = [REPORT_JSON, REPORT_MD, *names]
+    message = f"Report written to {out_dir}: " + ", ".join(written)
+    return [os.path.join(out_dir, n) for n in written], message + (
+        f"\n{note}" if note else ""
     )
-    if note:
-        message += "\n" + note
-    return paths, message

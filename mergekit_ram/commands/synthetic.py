@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class AgentSpec:
+class AgentSpec(NamedTuple):
     name: str
     density: float  # fraction of the model's elements this agent changes
 
@@ -28,23 +27,6 @@ PAPER_LIKE = (
     AgentSpec("tool_caller", 0.462),
     AgentSpec("memory", 0.543),
 )
-
-
-def tiny_llama_config(vocab_size: int = 128, tie: bool = False, **overrides):
-    from transformers import LlamaConfig
-
-    values = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-    )
-    values.update(overrides)
-    return LlamaConfig(**values)
 
 
 def save_tokenizer(path: str, vocab_size: int, prefix: str = "w") -> None:
@@ -60,72 +42,45 @@ def save_tokenizer(path: str, vocab_size: int, prefix: str = "w") -> None:
     ).save_pretrained(path)
 
 
-def save_model(state: dict[str, torch.Tensor], config, path: str, dtype) -> str:
-    """Save a state dict as a transformers checkpoint (safetensors)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state, strict=False)
-    model.to(dtype)
-    config.dtype = dtype
-    model.save_pretrained(path, safe_serialization=True)
-    save_tokenizer(path, config.vocab_size)
-    return path
-
-
-def sparse_agent(
-    base: dict[str, torch.Tensor],
-    density: float,
-    generator: torch.Generator,
-    *,
-    magnitude: float = 0.02,
-    skew: float = 0.5,
-) -> dict[str, torch.Tensor]:
-    """base + a delta on about `density` of the elements.
-
-    Density varies from tensor to tensor (by a factor of 1 ± skew) so that
-    per-tensor overlap ratios differ from the whole-model ones.
-    """
-    agent = {}
-    for index, (name, tensor) in enumerate(sorted(base.items())):
-        factor = 1.0 + skew * (1 if index % 2 else -1)
-        keep = torch.rand(tensor.shape, generator=generator) < min(
-            1.0, density * factor
-        )
-        delta = torch.randn(tensor.shape, generator=generator) * magnitude
-        agent[name] = tensor + delta * keep
-    return agent
-
-
 def build_models(
     root: str,
     agents: Sequence[AgentSpec] = PAPER_LIKE,
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.bfloat16,
-    tie: bool = False,
     config_overrides: dict | None = None,
 ) -> dict[str, str]:
-    """Write base and agents under `root`; returns name → path (base under 'base')."""
-    from transformers import AutoModelForCausalLM
+    """Write base and agents under `root`; returns name → path (base under
+    'base'). Each agent changes about its density of each tensor's elements,
+    by a factor 1 ± 0.5 from tensor to tensor so that per-tensor overlap
+    ratios differ from the whole-model ones."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(tie=tie, **(config_overrides or {}))
-    base_model = AutoModelForCausalLM.from_config(config).to(dtype)
-    # Round once to the checkpoint dtype so deltas are measured from what is saved.
-    base = {k: v.detach().clone() for k, v in base_model.state_dict().items()}
-    if tie:
-        base.pop("lm_head.weight", None)
+    values = dict(vocab_size=128, hidden_size=64, intermediate_size=128)
+    values |= dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    values |= dict(max_position_embeddings=128, tie_word_embeddings=False)
+    config = LlamaConfig(**values | (config_overrides or {}))
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    # Rounded once to the checkpoint dtype: deltas are measured from what is saved.
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
     generator = torch.Generator().manual_seed(seed + 1)
-    paths = {"base": save_model(base, config, os.path.join(root, "base"), dtype)}
+    states = {"base": base}
     for spec in agents:
-        state = sparse_agent(
-            {k: v.float() for k, v in base.items()}, spec.density, generator
-        )
-        state = {k: v.to(dtype) for k, v in state.items()}
-        paths[spec.name] = save_model(
-            state, config, os.path.join(root, spec.name), dtype
-        )
+        agent = {}
+        for index, (name, tensor) in enumerate(sorted(base.items())):
+            density = min(1.0, spec.density * (1.5 if index % 2 else 0.5))
+            keep = torch.rand(tensor.shape, generator=generator) < density
+            delta = torch.randn(tensor.shape, generator=generator) * 0.02
+            agent[name] = (tensor.float() + delta * keep).to(dtype)
+        states[spec.name] = agent
+    paths = {}
+    for name, state in states.items():
+        paths[name] = path = os.path.join(root, name)
+        model.load_state_dict(state)
+        config.dtype = dtype
+        model.save_pretrained(path, safe_serialization=True)
+        save_tokenizer(path, config.vocab_size)
     return paths
 
 
