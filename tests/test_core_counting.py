@@ -9,7 +9,7 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
-from mergekit_ram.core import counting, kernel
+from mergekit_ram.core import counting
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
     OverlapStatistics,
@@ -19,7 +19,7 @@ from mergekit_ram.core.counting import (
 )
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.kernel import JOINT_LIMIT
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
 PROFILES = {
@@ -100,29 +100,6 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(
         [[0, 0]] * 2,
     )
     assert torch.get_num_threads() == threads  # the count restores it
-
-
-def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads):
-    """Three usable CPUs and threads, ten chunks: every chunk counted once,
-    by runs of 3, 3, 4 (as chunk starts)."""
-    monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
-    torch_threads(3)
-    runs = []
-    run_on = kernel.run_on
-
-    def recording(work, items, device):
-        def spy(run):
-            runs.append([4 * index for index in run])
-            return work(run)
-
-        return run_on(spy, items, device)
-
-    monkeypatch.setattr(kernel, "run_on", recording)
-    base, tasks = sparse_tasks((40,), [0.5, 0.3], seed=2)
-    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
-    assert sorted(runs) == [[0, 4, 8], [12, 16, 20], [24, 28, 32, 36]]
-    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
-    assert rows == reference.csu(per_tensor, 2)[3]
 
 
 def test_worked_example_counts():
@@ -393,3 +370,37 @@ def test_count_tells_whether_every_task_vector_is_finite(
     else:
         with pytest.raises(RAMInputError, match="NaN"):
             finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
+
+
+# --- inner products (OverlapStatistics(inner_products=True)) ----------------------
+
+
+@pytest.mark.parametrize("n", [3, JOINT_LIMIT + 1])
+def test_products_equal_dense_reference(n):
+    """gram, owned and RAM's products of float64 dense vectors, τ exactly at
+    ±ε and just past it included (the change mask's rule)."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(60, generator=g) * 0.02
+    base[:4] = 0.0
+    edge = torch.tensor([0.01, -0.01, 0.0101, -0.0101])
+    tasks = []
+    for _ in range(n):
+        kept = torch.rand(60, generator=g) < 0.3
+        delta = torch.randn(60, generator=g) * 0.05 * kept
+        delta[:4] = edge
+        tasks.append(base + delta)
+    stats = OverlapStatistics(epsilon=1e-2, inner_products=True)
+    stats.add("w", base, dict(enumerate(tasks)))
+    products = stats.products["w"]
+    merged, _ = reference.merge(
+        {"w": base}, [{"w": t} for t in tasks], epsilon=1e-2, out_dtype=torch.float32
+    )
+    tau, m, c = reference.counts({"w": base}, [{"w": t} for t in tasks], 1e-2)["w"]
+    tau, delta = tau.double(), merged["w"].double() - base.double()
+    for t in range(n):
+        assert products.ram[t] == pytest.approx(float(delta @ tau[t]), rel=1e-5)
+        for s in range(n):
+            gram, owned = products.gram[s][t], products.owned[s][t]
+            assert gram == pytest.approx(float(tau[s] @ tau[t]), rel=1e-5, abs=1e-12)
+            mine = tau[s] * (m[s] & (c == 1))
+            assert owned == pytest.approx(float(mine @ tau[t]), rel=1e-5, abs=1e-12)

@@ -10,7 +10,7 @@ import torch
 from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 from mergekit_ram.core.kernel import ram_merge_tensor
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 
 CASES = [
     ((64,), [0.4]),

@@ -33,7 +33,7 @@ from rejected_inputs import (
 import mergekit_ram
 from mergekit_ram.commands.synthetic import build_models
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.core.rule import MergeSettings
 from mergekit_ram.integration.validation import check_config
 
 ANALYZE = "mergekit-ram analyze"

@@ -16,8 +16,7 @@ from mergekit_ram.analysis.tables import (
 )
 from mergekit_ram.analysis.verdict import verdict_of
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration.card import shared_mode, where_from
 from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import STATISTICS_FILE

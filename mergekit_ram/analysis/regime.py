@@ -8,7 +8,7 @@ vector keep, retention = ⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩? The expectati
 from the per-tensor counts alone. Retention needs inner products of task
 vectors: the counting pass sums, per tensor, the few that determine retention
 under RAM, RAM+ (any λ, known only once the whole model is counted) and task
-arithmetic (`core.products`), and `retentions` combines them at the end.
+arithmetic (`core.counting.Products`), and `retentions` combines them at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
-from mergekit_ram.core.products import Products
+from mergekit_ram.core.counting import Products
 
 # Methods whose retention is reported, in report order → their name in tables
 # and figures (task arithmetic with weight 1/N and 1).

@@ -12,7 +12,7 @@ from mergekit_ram.analysis.regime import METHODS
 from mergekit_ram.analysis.report import PAPER_R
 from mergekit_ram.analysis.tables import Section, percent
 from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING, unique_share_departure
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 from mergekit_ram.integration.methods import is_ours
 
 REPORT_JSON = "report.json"

@@ -15,7 +15,7 @@ For any other merge method only the models and the base matter and the paper
 defaults are used (epsilon 1e-5, r 0.1, alpha 2, clip, global). `--epsilon`
 overrides epsilon in both cases.
 
-The same pass sums the task vectors' inner products (core.products), so the
+The same pass sums the task vectors' inner products (core.counting.Products), so the
 report also says how much of each task vector RAM, RAM+ and task arithmetic
 would keep, without merging or a second read.
 """
@@ -29,7 +29,7 @@ from typing import Any
 from mergekit_ram.analysis.report import PAPER_DEFAULTS, Analysis
 from mergekit_ram.commands.install import install
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.core.settings import MergeSettings
+from mergekit_ram.core.rule import MergeSettings
 from mergekit_ram.integration.card import shared_mode
 from mergekit_ram.integration.context import merge_run
 from mergekit_ram.integration.methods import is_ours

@@ -1,21 +1,18 @@
-"""The RAM merge rule for one tensor (docs/spec.md, "Merge rule").
+"""The RAM merge rule for one tensor, and the one count walk (docs/spec.md).
 
 Everything is computed in float32 whatever the stored dtype, helper tensors live
-on the inputs' device and inputs are never written. The merge walks the tensor
-a chunk at a time (`ChunkReader`, on the threads of `core.parallel`): per chunk
-it forms every task's τ and change mask, the overlap count, RAM's mean, λ on
-the unique elements, and writes the chunk rounded once to the output dtype.
-Nothing tensor-sized is allocated besides the output, however many task
-models there are, and the λ-survival count (does λ still change a unique
-element once written?) comes from the same chunk's values.
+on the inputs' device and inputs are never written. The merge and the count
+walk a tensor a chunk at a time through `ChunkReader` (so both apply the same
+τ and change mask), on the threads of `core.parallel`: nothing tensor-sized is
+allocated besides the output, however many task models there are.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,114 +28,49 @@ RescaleFn = Callable[[int, int, int], None]
 T = TypeVar("T")
 
 
-def task_vector_into(
-    out: torch.Tensor, task: torch.Tensor, base32: torch.Tensor
+def task_vector(
+    task: torch.Tensor, base32: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """τ = θ_t − θ₀ in float32, written into `out` (the inputs are untouched).
+    """τ = θ_t − θ₀ in float32, into `out` (else a new tensor); the inputs
+    are untouched.
 
     The task is rounded to float32 first (exact for half precision), then the
     base subtracted; copying first is several times faster on CPU than a
     mixed-dtype subtraction and gives the same bits.
     """
+    out = torch.empty_like(base32) if out is None else out
     return out.copy_(task).sub_(base32)
 
 
-def task_vector(task: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
-    """τ = θ_t − θ₀ in float32 (a fresh tensor; the inputs are untouched)."""
-    return task_vector_into(torch.empty_like(base32), task, base32)
-
-
 def change_mask(
-    tau: torch.Tensor,
-    epsilon: float,
-    *,
-    overwrite: bool = False,
-    out: torch.Tensor | None = None,
-):
-    """m = |τ| > ε, strict and absolute (`overwrite`: τ becomes |τ| in place;
-    `out`: a tensor to write m into, bool, or float32 for 1.0 / 0.0, which
-    holds |τ| on the way: on CPU a comparison written to float32 costs a
-    fraction of one written to bool)."""
-    if overwrite:
-        magnitude = tau.abs_()
-    elif out is not None and out.dtype == tau.dtype:
-        magnitude = torch.abs(tau, out=out)
-    else:
-        magnitude = tau.abs()
+    tau: torch.Tensor, epsilon: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """m = |τ| > ε, strict and absolute (`out`: bool, or float32 for 1.0 /
+    0.0, which holds |τ| on the way: on CPU a comparison written to float32
+    costs a fraction of one written to bool)."""
+    same = out is not None and out.dtype == tau.dtype
+    magnitude = torch.abs(tau, out=out) if same else tau.abs()
     return torch.gt(magnitude, epsilon, out=out)
 
 
 @torch.no_grad()
-def change_masks(
-    base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> list[torch.Tensor]:
-    """m_t per task, via one reused float32 buffer (the one place masks are made)."""
-    scratch = torch.empty_like(base32)
-    return [
-        change_mask(task_vector_into(scratch, task, base32), epsilon, overwrite=True)
-        for task in tasks
-    ]
-
-
-def count_masks(
-    masks: Sequence[torch.Tensor],
-    like: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """c_i: how many masks are set at element i (uint8 below 256 masks).
-
-    The one place masks are counted; `like` gives the shape and device when
-    there are none. `out`: a float32 tensor to count float masks (1.0 / 0.0)
-    into, exactly (any count below 2^24).
-    """
-    if out is not None:
-        out.zero_()
-        for mask in masks:
-            out += mask
-        return out
-    dtype = torch.uint8 if len(masks) < 256 else torch.int32
-    counts = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    for mask in masks:
-        # A bool tensor viewed as bytes adds far faster than one promoted.
-        counts += mask.view(torch.uint8) if dtype == torch.uint8 else mask
-    return counts
-
-
 def overlap_counts(
     base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> torch.Tensor:
-    """c_i: how many task models change element i."""
-    return count_masks(change_masks(base32, tasks, epsilon), base32)
-
-
-def task_histogram(
-    counts: torch.Tensor, mask: torch.Tensor, num_tasks: int
-) -> torch.Tensor:
-    """Entry k: this task's changed elements that exactly k other tasks change too."""
-    # Elements outside the mask land in bin 0, which is dropped.
-    masked = (counts * mask).flatten()
-    if masked.dtype != torch.uint8:
-        masked = masked.to(torch.int64)
-    return torch.bincount(masked, minlength=num_tasks + 1)[1 : num_tasks + 1].cpu()
+    """c_i: how many task models change element i (int32, whole tensor)."""
+    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
+    for task in tasks:
+        counts += change_mask(task_vector(task, base32), epsilon)
+    return counts
 
 
 # Elements per step of the chunked merge on CPU: its float32 rows (two per
 # task model and a few more) stay in the CPU's caches, and the forty-odd ops
-# of a step cost more in dispatch than in arithmetic below it. On 16.8 M
-# elements, base + 3 bf16 agents, 2 threads: 2^15 / 2^16 / 2^17 / 2^18 took
-# 0.17 / 0.11 / 0.09 / 0.09 s for RAM and 0.30 / 0.19 / 0.15 / 0.16 s for
-# RAM+ with its survival count (docs/performance.md).
+# of a step cost more in dispatch than in arithmetic below it
+# (docs/performance.md).
 MERGE_CHUNK = 1 << 17
 # Off the CPU a step costs per launched op, not per cache miss: far larger.
 DEVICE_CHUNK = 1 << 24
-
-
-def spans(total: int, chunk: int, device: torch.device) -> list[tuple[int, int]]:
-    """(start, stop) of each step over range(total): `chunk` elements on CPU,
-    at least DEVICE_CHUNK elsewhere."""
-    size = max(1, chunk if device.type == "cpu" else max(chunk, DEVICE_CHUNK))
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
 @dataclass
@@ -154,10 +86,9 @@ class Chunk:
 class ChunkReader:
     """One worker's float32 rows for walking a tensor group a chunk at a time.
 
-    The merge and the overlap count read through it, so both apply the same
-    τ and change mask. Masks are float32 (change_mask's `out`): counted, and
-    multiplied into τ, by arithmetic, which on CPU costs a fraction of the
-    same work on bool.
+    Masks are float32: counted, multiplied into τ and multiplied together by
+    arithmetic, which on CPU costs a fraction of the same work on bool.
+    `taus` and `masks` hold `extra` more rows below the tasks' for the caller.
     """
 
     def __init__(
@@ -166,36 +97,37 @@ class ChunkReader:
         flat_tasks: Sequence[torch.Tensor],
         epsilon: float,
         width: int,
+        extra: tuple[int, int] = (0, 0),
     ) -> None:
         self.width, self.device = width, flat_base.device
-        like = dict(dtype=torch.float32, device=self.device)
+        like: dict[str, Any] = dict(dtype=torch.float32, device=self.device)
         self._base, self._tasks, self._epsilon = flat_base, flat_tasks, epsilon
+        n = len(flat_tasks)
         self._base32 = torch.empty(width, **like)
-        self._tau = torch.empty((len(flat_tasks), width), **like)
-        self._mask = torch.empty((len(flat_tasks), width), **like)
+        self.taus = torch.empty((n + extra[0], width), **like)
+        self.masks = torch.empty((n + extra[1], width), **like)
         self._counts = torch.empty(width, **like)
 
     def read(
         self,
         start: int,
         stop: int,
-        *,
-        counted: bool = True,
         summed: torch.Tensor | None = None,
+        counted: bool = True,
     ) -> Chunk:
         """θ₀, τ, m and (`counted`) c of elements [start, stop), overwriting
         the last chunk read; `summed`: a float32 scalar to add Σ τ to."""
-        width = stop - start
+        width, n = stop - start, len(self._tasks)
         base32 = self._base32[:width].copy_(self._base[start:stop])
-        tau, mask = self._tau[:, :width], self._mask[:, :width]
+        tau, mask = self.taus[:n, :width], self.masks[:n, :width]
         for row, task in zip(tau, self._tasks):
-            task_vector_into(row, task[start:stop], base32)
+            task_vector(task[start:stop], base32, out=row)
         if summed is not None:
             summed += tau.sum()
         change_mask(tau, self._epsilon, out=mask)
         counts = self._counts[:width]
         if counted:
-            count_masks(mask, base32, out=counts)
+            torch.sum(mask, 0, out=counts)  # exact: sums of 0 / 1
         return Chunk(base32, tau, mask, counts)
 
 
@@ -203,14 +135,21 @@ def chunked_walk(
     flat_base: torch.Tensor,
     chunk: int,
     work: Callable[[list[tuple[int, int]]], T],
+    *,
+    exact: bool = False,
 ) -> list[T]:
-    """`work` on contiguous runs of the steps over flat_base (`spans`), one
+    """`work` on contiguous runs of the (start, stop) steps over flat_base, one
     run per worker thread of the current pool (`core.parallel`); results in
-    run order. Every worker makes its own buffers in `work`."""
-    steps = spans(flat_base.numel(), chunk, flat_base.device)
-    return run_on(
-        lambda run: work(steps[run.start : run.stop]), len(steps), flat_base.device
-    )
+    run order. Every worker makes its own buffers in `work`. A step is
+    `chunk` elements on CPU, at least DEVICE_CHUNK elsewhere unless `exact`
+    (float sums that depend on where the chunks end)."""
+    total, device = flat_base.numel(), flat_base.device
+    size = chunk if device.type == "cpu" or exact else max(chunk, DEVICE_CHUNK)
+
+    def steps(run: torch.Tensor) -> T:
+        return work([(s, min(s + size, total)) for s in run.tolist()])
+
+    return run_on(steps, torch.arange(0, total, size), device)
 
 
 # The signed integer type of each float width: comparing written values by
@@ -252,7 +191,8 @@ def ram_merge_tensor(
     by it) counts as unchanged, as in the count, so such an element keeps
     the base's value.
     """
-    _check_scales(tasks, scales)
+    if len(scales) != len(tasks):
+        raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
     written = out_dtype or base.dtype
     if not tasks:
         return base.to(dtype=written, copy=True)
@@ -282,21 +222,6 @@ def ram_merge_tensor(
     return out.view(base.shape)
 
 
-def _has_negative_zero(values: torch.Tensor) -> bool:
-    """Whether float32 `values` hold −0.0: its bits are int32's minimum
-    (tensors without data, on the meta device, hold none)."""
-    bits = values.view(torch.int32)
-    if bits.numel() == 0 or bits.is_meta:
-        return False
-    return int(bits.min()) == torch.iinfo(torch.int32).min
-
-
-def _sum_is_finite(values: torch.Tensor) -> bool:
-    """Whether Σ values is finite: so is every value (a sum that overflows
-    only says "look closer"); tensors without data count as finite."""
-    return values.is_meta or bool(torch.isfinite(values.sum()))
-
-
 def _resolved_scales(
     base: torch.Tensor,
     tasks: Sequence[torch.Tensor],
@@ -311,7 +236,7 @@ def _resolved_scales(
         return [float(scale) for scale in scales]
     if scale_fn is None:
         raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
-    rows, _, _ = overlaps(base, tasks, epsilon, MERGE_CHUNK)
+    rows = overlaps(base, tasks, epsilon, MERGE_CHUNK)[0]
     return [
         float(scale_fn(index, torch.tensor(rows[index])) if scale is None else scale)
         for index, scale in enumerate(scales)
@@ -323,7 +248,7 @@ class _ChunkMerge:
 
     In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c on the
     changed elements, as stock mergekit sums; a zero of either sign where
-    c = 0, which leaves θ₀ + δ = θ₀ unless θ₀ is −0.0: `_signed_zeros`).
+    c = 0, which leaves θ₀ + δ = θ₀ unless θ₀ is −0.0: see `merge`).
     RAM+ multiplies δ by Λ = λ_t on task t's unique elements and 1
     elsewhere, which is exact (δ = τ_t there; x·1 = x), and θ₀ + δ is
     rounded into the output. With `tally` it also rounds θ₀ + δ before Λ
@@ -343,12 +268,10 @@ class _ChunkMerge:
         width, device = reader.width, reader.device
         # λ as float32 holds it (the plan refuses one beyond float32's range).
         self.scales = torch.tensor(list(scales), dtype=torch.float32).tolist()
-        like = dict(dtype=torch.float32, device=device)
+        like: dict[str, Any] = dict(dtype=torch.float32, device=device)
         self.delta = torch.empty(width, **like)
         self.scratch = torch.empty(width, **like)
         self.factor = torch.empty(width, **like)
-        self.changed = torch.empty(width, dtype=torch.bool, device=device)
-        self.negative_zero = torch.tensor(-0.0, device=device)
         # Row 0: 1.0 on unique elements (c = 1); row 1 (tally): 1.0 where RAM+
         # and RAM are written apart.
         self.rows = torch.empty((2, width), **like)
@@ -367,9 +290,12 @@ class _ChunkMerge:
         tau = part.tau.mul_(part.mask)
         tau.div_(torch.clamp(part.counts, min=1, out=self.scratch[:width]))
         if _has_negative_zero(part.base32):
-            self._signed_zeros(tau, part.mask)
+            # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
+            # otherwise): there a task leaving an element unchanged adds
+            # exactly −0.0, as mergekit's where() has it.
+            tau.masked_fill_(part.mask == 0, -0.0)
         delta = self._sum(tau)
-        if not _sum_is_finite(delta):
+        if not (delta.is_meta or bool(torch.isfinite(delta.sum()))):
             # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
             # refusing, the caller checks the inputs; ignoring, it is a
             # non-finite base's, and that task leaves the element unchanged,
@@ -395,18 +321,6 @@ class _ChunkMerge:
             delta.add_(row)
         return delta
 
-    def _signed_zeros(self, tau: torch.Tensor, mask: torch.Tensor) -> None:
-        """τ_t·m_t/c → exactly −0.0 where task t leaves the element unchanged.
-
-        Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x for
-        every other x, +0.0 included), so only chunks holding one pay for
-        this; there the sum runs exactly as mergekit's does, −0.0 kept where
-        c = 0, and an element whose terms cancel gets +0.0.
-        """
-        changed = self.changed[: tau.shape[1]]
-        for row, row_mask in zip(tau, mask):
-            torch.where(changed.copy_(row_mask), row, self.negative_zero, out=row)
-
     def _factor(
         self, mask: torch.Tensor, counts: torch.Tensor, unique: torch.Tensor
     ) -> torch.Tensor:
@@ -429,142 +343,87 @@ class _ChunkMerge:
         self.tally += torch.mm(mask, self.rows[:, :width].T)
 
 
-# Up to this many tasks, one byte per element holds which tasks change it.
+def _has_negative_zero(values: torch.Tensor) -> bool:
+    """Whether float32 `values` hold −0.0: its bits are int32's minimum
+    (tensors without data, on the meta device, hold none)."""
+    bits = values.view(torch.int32)
+    if bits.numel() == 0 or bits.is_meta:
+        return False
+    return int(bits.min()) == torch.iinfo(torch.int32).min
+
+
+# Called per chunk of a count walk with a (2N+1, width) float32 block holding
+# the chunk's τ in its first N rows (the rest is the callee's) and c.
+ChunkFn = Callable[[torch.Tensor, torch.Tensor], T]
+# Up to this many tasks, one code per element holds which tasks change it.
 JOINT_LIMIT = 8
 
 
+@torch.no_grad()
 def overlaps(
     base: torch.Tensor,
     tasks: Sequence[torch.Tensor],
     epsilon: float,
     chunk: int,
-    *,
-    checked: bool = False,
-) -> tuple[list[list[int]], list[list[int]], bool | None]:
-    """(histograms, intersections, finite) of one tensor group.
+    each: ChunkFn | None = None,
+) -> tuple[list[list[int]], list[list[int]], bool, list]:
+    """(histograms, intersections, finite, each's results) of one tensor
+    group, from one walk over it `chunk` elements a step.
 
-    histograms[t][k]: task t's changed elements that k other tasks change too;
-    intersections[s][t] = |m_s ∧ m_t|; the diagonal is each task's changed
-    count. Up to JOINT_LIMIT tasks the masks are made and counted `chunk`
-    elements at a time (`joint_patterns`); beyond, every mask is computed
-    once and kept as bool (one byte per element and task) for this tensor.
-    `finite` (`checked`, up to JOINT_LIMIT tasks; else None): whether every
-    τ was finite, which (with a task) holds exactly when base and tasks are,
-    save where θ_t − θ₀ overflows float32.
+    histograms[t][k]: task t's changed elements that exactly k other tasks
+    change too; intersections[s][t] = |m_s ∧ m_t| (the diagonal: each task's
+    changed count). Per chunk, up to JOINT_LIMIT tasks, one histogram of the
+    masks' joint pattern (bit t: task t changes the element) determines both;
+    beyond, one product of the masks with [masks; c = 1 … c = N] counts them
+    (sums of 0 / 1, exact in float32). `finite`: whether every τ was finite,
+    which (with a task) holds exactly when base and tasks are, save where
+    θ_t − θ₀ overflows float32; it rides on one sum per chunk (NaN and ±∞
+    carry into it, an overflowing sum only says "look closer":
+    checks.finite_inputs). `each` (inner products) runs on every chunk; its
+    results come back in chunk order, the chunks ending where they would on
+    one thread, so float sums over them do not depend on the workers.
     """
-    if tasks and len(tasks) <= JOINT_LIMIT:
-        joint, finite = joint_patterns(base, tasks, epsilon, chunk, checked=checked)
-        return (*decode_joint(joint, len(tasks)), finite)
-    base32 = base.to(dtype=torch.float32)
-    return (*overlaps_of(change_masks(base32, tasks, epsilon), base32), None)
-
-
-@torch.no_grad()
-def joint_patterns(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    epsilon: float,
-    chunk: int,
-    *,
-    checked: bool,
-) -> tuple[list[int], bool | None]:
-    """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε) and (`checked`) whether every τ was finite; counted
-    `chunk` elements at a time through ChunkReader on the current pool's
-    workers (integer counts add up to the same totals in any order).
-
-    The finiteness rides on one sum per chunk: NaN and ±Inf carry into it,
-    and a sum that overflows only says "look closer" (checks.finite_inputs).
-    """
+    n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
     flat_base = base.reshape(-1)
     flat_tasks = [task.reshape(-1) for task in tasks]
 
-    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         width = max((stop - start for start, stop in steps), default=0)
-        reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
-        codes = torch.empty(width, dtype=torch.float32, device=base.device)
-        joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=base.device)
-        total = torch.zeros((), dtype=torch.float32, device=base.device)
-        summed = total if checked else None
+        extra = (n + 1 if each else 0, 1 if joint else n)
+        reader = ChunkReader(flat_base, flat_tasks, epsilon, width, extra)
+        shape = (1 << n,) if joint else (n, 2 * n)
+        found = torch.zeros(shape, dtype=torch.int64, device=base.device)
+        summed = torch.zeros((), dtype=torch.float32, device=base.device)
+        results = []
         for start, stop in steps:
-            part = reader.read(start, stop, counted=False, summed=summed)
-            joint += pattern_counts(part.mask, codes[: stop - start], len(tasks))
-        return joint, total
+            counted = each is not None or not joint
+            part = reader.read(start, stop, summed, counted=counted)
+            rows = reader.masks[:, : stop - start]
+            if joint:
+                codes = rows[n].zero_()
+                for t, mask in enumerate(part.mask):
+                    codes.add_(mask, alpha=1 << t)
+                # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
+                codes = codes.to(torch.int32).to(torch.uint8)
+                found += torch.bincount(codes, minlength=1 << n)
+            else:
+                for k, row in enumerate(rows[n:], 1):
+                    torch.eq(part.counts, k, out=row)
+                found += torch.mm(part.mask, rows.T).to(torch.int64)
+            if each is not None:
+                results.append(each(reader.taus[:, : stop - start], part.counts))
+        return found, summed, results
 
-    results = chunked_walk(flat_base, chunk, count)
-    joint = sum(part for part, _ in results).tolist()
-    if not checked:
-        return joint, None
-    return joint, all(bool(torch.isfinite(total)) for _, total in results)
-
-
-def pattern_counts(
-    masks: Iterable[torch.Tensor], codes: torch.Tensor, n: int
-) -> torch.Tensor:
-    """How many elements show each of the 2^n joint patterns of `masks`
-    (bit t: mask t; bool masks into uint8 `codes`, float32 ones into float32
-    `codes`, the masks' size)."""
-    codes.zero_()
-    for t, mask in enumerate(masks):
-        codes.add_(mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
-                   alpha=1 << t)  # fmt: skip
-    if codes.is_floating_point():
-        # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
-        codes = codes.to(torch.int32).to(torch.uint8)
-    return torch.bincount(codes, minlength=1 << n)
-
-
-def overlaps_of(
-    masks: Sequence[torch.Tensor], like: torch.Tensor
-) -> tuple[list[list[int]], list[list[int]]]:
-    """overlaps' (histograms, intersections) from masks already made."""
-    if not masks:
-        return [], []
-    if len(masks) <= JOINT_LIMIT:
-        return _from_joint(masks)
-    counts = count_masks(masks, like)
-    rows = [task_histogram(counts, mask, len(masks)).tolist() for mask in masks]
-    pairs = [[0] * len(masks) for _ in masks]
-    for s, mask in enumerate(masks):
-        pairs[s][s] = sum(rows[s])
-        for t in range(s + 1, len(masks)):
-            pairs[s][t] = pairs[t][s] = int(
-                torch.count_nonzero(torch.logical_and(mask, masks[t]))
-            )
-    return rows, pairs
-
-
-def _from_joint(
-    masks: Sequence[torch.Tensor],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """overlaps' counts from one histogram of the masks' joint pattern.
-
-    Bit t of an element's pattern says whether task t changes it; how many
-    elements show each of the 2^N patterns determines every task's k-way
-    histogram and every pairwise intersection, for one pass over a byte per
-    element instead of one per task and pair.
-    """
-    codes = torch.empty(masks[0].numel(), dtype=torch.uint8, device=masks[0].device)
-    flat = [mask.reshape(-1) for mask in masks]
-    return decode_joint(pattern_counts(flat, codes, len(masks)).tolist(), len(masks))
-
-
-def decode_joint(
-    joint: Sequence[int], n: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Every task's k-way histogram and every pairwise intersection from the
-    number of elements showing each joint pattern (bit t: task t changes it)."""
-    rows = [[0] * n for _ in range(n)]
-    pairs = [[0] * n for _ in range(n)]
-    for code, elements in enumerate(joint):
-        members = [t for t in range(n) if code >> t & 1]
-        for s in members:
-            rows[s][len(members) - 1] += elements
-            for t in members:
-                pairs[s][t] += elements
-    return rows, pairs
-
-
-def _check_scales(tasks: Sequence[torch.Tensor], scales: Sequence) -> None:
-    if len(scales) != len(tasks):
-        raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
+    walked = chunked_walk(flat_base, chunk, count, exact=each is not None)
+    found = sum(part for part, _, _ in walked).tolist()
+    finite = all(bool(torch.isfinite(summed)) for _, summed, _ in walked)
+    results = [result for _, _, part in walked for result in part]
+    if joint:  # every task's histogram and intersections from the patterns
+        found, patterns = [[0] * 2 * n for _ in range(n)], found
+        for code, elements in enumerate(patterns):
+            members = [t for t in range(n) if code >> t & 1]
+            for s in members:
+                found[s][n + len(members) - 1] += elements
+                for t in members:
+                    found[s][t] += elements
+    return [row[n:] for row in found], [row[:n] for row in found], finite, results

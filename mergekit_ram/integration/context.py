@@ -5,7 +5,7 @@ The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 planner hook stores its (settings, statistics, scales) there, the model-card
 hook and `mergekit-ram merge --report` read them back, and the card's hub
 lookup notes there what it could not link. The survival tally of
-λ (`core.survival`) lives there too: the planner makes it, each merge task
+λ (`core.rule`) lives there too: the planner makes it, each merge task
 adds to it, the last task writes it out. Merge tasks may run on worker
 threads (mergekit's --multi-gpu executor), which do not inherit the context;
 they carry their run and bind it with `running`. The run's worker threads
@@ -23,8 +23,7 @@ from typing import Any
 
 from mergekit_ram.core.counting import LocalScales
 from mergekit_ram.core.parallel import Workers, using, workers
-from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.integration.cpus import usable_cpus
+from mergekit_ram.core.rule import SurvivalTally
 
 
 @dataclass(eq=False)
@@ -69,7 +68,7 @@ def merge_run() -> Iterator[MergeRun]:
     if run is not None:
         yield run
         return
-    with workers(usable_cpus()) as pool:
+    with workers() as pool:
         run = MergeRun(workers=pool)
         token = _CURRENT.set(run)
         try:

@@ -38,8 +38,7 @@ from mergekit.options import MergeOptions
 from pydantic import BaseModel, ValidationError
 
 from mergekit_ram.core.errors import Problems, RAMInputError
-from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, unique_scale_error
 from mergekit_ram.integration.checkpoints import check_models, first_duplicate
 from mergekit_ram.integration.errors import UnknownMethod
 from mergekit_ram.integration.methods import METHODS, RAMMerge, is_ours

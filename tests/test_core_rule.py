@@ -1,0 +1,180 @@
+"""core.rule: the RAM+ λ formulas against the spec's, the one-value rule of
+whole-model statistics, and whether λ survives the output dtype (the
+kernel's count against the dense reference, element by element)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import reference
+import torch
+from tensors import EPSILON, as_dicts, cast, on, sparse_tasks
+
+from mergekit_ram.core import kernel
+from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.core.kernel import ram_merge_tensor
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, SurvivalTally, varying_key
+
+COUNTS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (5, 2), (3, 7), (1000, 1)]
+RULES = [
+    ScaleRule(r=r, alpha=alpha, saturation=saturation)
+    for r, alpha, saturation in itertools.product(
+        [0.0, 0.1, 0.5, 3.0], [0.0, 0.5, 1.0, 2.0, 10.0], ["clip", "soft"]
+    )
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_scale_matches_reference_and_is_bounded(rule):
+    """1 for nothing changed, no shared or r = 0; the limit without unique."""
+    for shared, unique in COUNTS:
+        got = rule.scale(shared, unique)
+        assert math.isfinite(got) and 1.0 <= got <= rule.limit() + 1e-12
+        expected = reference.lam(
+            shared + unique, shared, unique, rule.r, rule.alpha, rule.saturation
+        )
+        assert got == pytest.approx(expected, rel=1e-14, abs=1e-15)
+    assert rule.scale(0, 0) == rule.scale(0, 5) == 1.0
+    assert rule.scale(7, 0) == rule.limit()
+    values = [rule.scale(shared, 10) for shared in range(0, 60, 3)]
+    assert values == sorted(values)
+
+
+def test_clip_and_soft_formulas():
+    rule = ScaleRule(r=0.1, alpha=2.0)
+    assert rule.saturation == "clip" and rule.limit() == pytest.approx(1.2)
+    assert rule.scale(6, 2) == rule.scale(4, 2) == pytest.approx(1 + 0.1 * 2.0)
+    assert rule.scale(3, 2) == pytest.approx(1 + 0.1 * 1.5)  # ρ < α
+    soft = ScaleRule(r=0.5, alpha=0.5, saturation="soft")
+    # Both forms of the spec: 1 + r·ρ/(1+ρ) = 1 + r·S/C; alpha plays no part.
+    assert soft.scale(5, 2) == pytest.approx(1 + 0.5 * 5 / 7, rel=1e-15)
+    assert soft.scale(5, 2) == ScaleRule(0.5, 0.0, "soft").scale(5, 2)
+    assert soft.limit() == 1.5
+    assert soft.scale(10**12, 1) == pytest.approx(soft.limit(), rel=1e-9)
+    with pytest.raises(AttributeError):
+        rule.r = 0.2
+
+
+ONE = {
+    "epsilon": {1e-5},
+    "r": {0.1},
+    "alpha": {2.0},
+    "saturation": {"clip"},
+    "statistics": {"global"},
+}
+
+
+def test_one_value_everywhere_is_accepted():
+    assert varying_key(ONE) is None
+
+
+@pytest.mark.parametrize("key, other", [("epsilon", 1e-4), ("alpha", 1.0)])
+def test_a_varying_key_is_named_under_global_statistics(key, other):
+    assert varying_key({**ONE, key: ONE[key] | {other}}) == key
+
+
+def test_varying_values_are_fine_without_whole_model_statistics():
+    # r = 0 everywhere (RAM) or statistics: tensor: every tensor stands alone.
+    assert varying_key({**ONE, "r": {0.0}, "epsilon": {1e-5, 1e-4}}) is None
+    assert varying_key({**ONE, "statistics": {"tensor"}, "r": {0.1, 0.2}}) is None
+
+
+def test_r_varying_between_zero_and_positive_is_refused():
+    assert varying_key({**ONE, "r": {0.0, 0.1}}) == "r"
+
+
+def test_from_parameters_names_two_tensors_that_disagree():
+    params = {key: next(iter(values)) for key, values in ONE.items()}
+    per_tensor = [("a", params), ("b", params), ("c", {**params, "alpha": 1.0})]
+    with pytest.raises(
+        RAMInputError, match="'alpha' is 2.0 for tensor a but 1.0 for c"
+    ):
+        MergeSettings.from_parameters(per_tensor)
+    settings = MergeSettings.from_parameters(per_tensor[:2])
+    assert settings.as_dict() == params
+
+
+def test_from_parameters_needs_a_tensor():
+    with pytest.raises(ValueError, match="no tensors"):
+        MergeSettings.from_parameters([])
+
+
+SCALES = [1.002, 1.0, 1.3]  # lost in bf16 on most elements / none / kept on most
+
+
+def reference_survival(base, tasks, scales, written):
+    """Per task: (unique elements, of which RAM+ and RAM are written apart)."""
+    plus, _ = reference.merge(*as_dicts(base, tasks), unique_scale=scales,
+                              out_dtype=written)  # fmt: skip
+    ram, _ = reference.merge(*as_dicts(base, tasks), out_dtype=written)
+    _tau, m, c = reference.counts(*as_dicts(base, tasks), EPSILON)["w"]
+    found = []
+    for t in range(len(tasks)):
+        unique = m[t] & (c == 1)
+        found.append((int(unique.sum()), int((plus["w"] != ram["w"])[unique].sum())))
+    return found
+
+
+def kernel_survival(base, tasks, scales, written):
+    heard = {}
+    out = ram_merge_tensor(
+        base,
+        tasks,
+        epsilon=EPSILON,
+        scales=scales,
+        out_dtype=written,
+        on_rescaled=lambda index, rescaled, survived: heard.update(
+            {index: (rescaled, survived)}
+        ),
+    )
+    return out, heard
+
+
+@pytest.mark.parametrize("written", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk", [7, 1 << 16])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_kernel_counts_what_survives_elementwise(
+    monkeypatch, written, chunk, workers, on_device
+):
+    # Chunks that end inside rows and a last partial chunk, on one or three
+    # workers; every task with λ ≠ 1 is heard once, with the reference's counts.
+    monkeypatch.setattr(kernel, "MERGE_CHUNK", chunk)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(workers)
+    try:
+        base, tasks = cast(
+            *sparse_tasks((37, 29), [0.4, 0.3, 0.5], seed=4), torch.bfloat16
+        )
+        out, heard = kernel_survival(*on(on_device, base, tasks), SCALES, written)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_survival(base, tasks, SCALES, written)
+    assert heard == {0: want[0], 2: want[2]}
+    assert all(rescaled > 0 for rescaled, _ in heard.values())
+    if written == torch.float32:
+        assert all(survived == rescaled for rescaled, survived in heard.values())
+    else:
+        # bf16 / fp16 lose λ = 1.002 on some elements: the count can tell.
+        assert heard[0][1] < heard[0][0]
+    plus, _ = reference.merge(*as_dicts(base, tasks), unique_scale=SCALES,
+                              out_dtype=written)  # fmt: skip
+    assert out.device.type == on_device
+    assert torch.equal(out.cpu(), plus["w"])
+
+
+def test_no_count_without_a_listener_or_a_rescale():
+    base, tasks = sparse_tasks((9, 8), [0.4, 0.3], seed=1)
+    _, heard = kernel_survival(base, tasks, [1.0, 1.0], torch.bfloat16)
+    assert heard == {}
+
+
+def test_tally_warns_only_when_mostly_lost():
+    tally = SurvivalTally()
+    tally.add("a", 10, 6, "bfloat16")
+    assert not tally.lost()
+    tally.add("b", 10, 1, "bfloat16")
+    assert tally.lost()
+    assert "7 of 20" in tally.warning() and "bfloat16" in tally.warning()
+    assert not SurvivalTally().lost()
