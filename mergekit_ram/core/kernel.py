@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -73,16 +72,6 @@ MERGE_CHUNK = 1 << 17
 DEVICE_CHUNK = 1 << 24
 
 
-@dataclass
-class Chunk:
-    """Elements [start, stop) of a tensor group (views of a ChunkReader's rows)."""
-
-    base32: torch.Tensor  # θ₀ in float32
-    tau: torch.Tensor  # (tasks, width): τ_t, one row per task model
-    mask: torch.Tensor  # (tasks, width): m_t as 1.0 / 0.0
-    counts: torch.Tensor  # c, float32
-
-
 class ChunkReader:
     """One worker's float32 rows for walking a tensor group a chunk at a time.
 
@@ -99,14 +88,14 @@ class ChunkReader:
         width: int,
         extra: tuple[int, int] = (0, 0),
     ) -> None:
-        self.width, self.device = width, flat_base.device
-        like: dict[str, Any] = dict(dtype=torch.float32, device=self.device)
-        self._base, self._tasks, self._epsilon = flat_base, flat_tasks, epsilon
-        n = len(flat_tasks)
-        self._base32 = torch.empty(width, **like)
+        n, like = len(flat_tasks), dict(dtype=torch.float32, device=flat_base.device)
+        self.base, self.tasks, self.epsilon = flat_base, flat_tasks, epsilon
+        self.base32, self.counts = (
+            torch.empty(width, **like),
+            torch.empty(width, **like),
+        )
         self.taus = torch.empty((n + extra[0], width), **like)
         self.masks = torch.empty((n + extra[1], width), **like)
-        self._counts = torch.empty(width, **like)
 
     def read(
         self,
@@ -114,21 +103,22 @@ class ChunkReader:
         stop: int,
         summed: torch.Tensor | None = None,
         counted: bool = True,
-    ) -> Chunk:
-        """θ₀, τ, m and (`counted`) c of elements [start, stop), overwriting
-        the last chunk read; `summed`: a float32 scalar to add Σ τ to."""
-        width, n = stop - start, len(self._tasks)
-        base32 = self._base32[:width].copy_(self._base[start:stop])
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """θ₀, τ (a row per task), m (1.0 / 0.0) and (`counted`) c, all
+        float32, of elements [start, stop), overwriting the last chunk read;
+        `summed`: a float32 scalar to add Σ τ to."""
+        width, n = stop - start, len(self.tasks)
+        base32 = self.base32[:width].copy_(self.base[start:stop])
         tau, mask = self.taus[:n, :width], self.masks[:n, :width]
-        for row, task in zip(tau, self._tasks):
+        for row, task in zip(tau, self.tasks):
             task_vector(task[start:stop], base32, out=row)
         if summed is not None:
             summed += tau.sum()
-        change_mask(tau, self._epsilon, out=mask)
-        counts = self._counts[:width]
+        change_mask(tau, self.epsilon, out=mask)
+        counts = self.counts[:width]
         if counted:
             torch.sum(mask, 0, out=counts)  # exact: sums of 0 / 1
-        return Chunk(base32, tau, mask, counts)
+        return base32, tau, mask, counts
 
 
 def chunked_walk(
@@ -196,151 +186,96 @@ def ram_merge_tensor(
     written = out_dtype or base.dtype
     if not tasks:
         return base.to(dtype=written, copy=True)
-    lambdas = _resolved_scales(base, tasks, epsilon, scales, scale_fn)
-    flat_base = base.reshape(-1)
-    flat_tasks = [task.reshape(-1) for task in tasks]
+    missing = [index for index, scale in enumerate(scales) if scale is None]
+    if missing and scale_fn is None:
+        raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
+    if missing:  # this tensor's histograms, counted before any element is merged
+        rows = overlaps(base, tasks, epsilon, MERGE_CHUNK)[0]
+        scales = [
+            scale_fn(index, torch.tensor(rows[index])) if scale is None else scale
+            for index, scale in enumerate(scales)
+        ]
+    scales = [float(scale) for scale in scales]
+    # λ as float32 holds it (the plan refuses one beyond float32's range).
+    factors = torch.tensor(scales, dtype=torch.float32).tolist()
+    rescales = any(scale != 1.0 for scale in scales)
+    tally = on_rescaled is not None and rescales
+    flat_base, flat_tasks = base.reshape(-1), [task.reshape(-1) for task in tasks]
     out = torch.empty(flat_base.shape, dtype=written, device=base.device)
-    tally = on_rescaled is not None and any(scale != 1.0 for scale in lambdas)
 
-    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor | None, bool]:
+    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:
+        """In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c
+        on the changed elements, as stock mergekit sums; a zero of either
+        sign where c = 0). RAM+ multiplies δ by Λ = λ_t on task t's unique
+        elements and 1 elsewhere, which is exact (δ = τ_t there; x·1 = x),
+        and θ₀ + δ is rounded into the output. With `tally` it also rounds
+        θ₀ + δ before Λ (RAM's value) and counts, per task, its unique
+        elements and those whose written bits differ."""
         width = max((stop - start for start, stop in steps), default=0)
-        merger = _ChunkMerge(
-            ChunkReader(flat_base, flat_tasks, epsilon, width), lambdas, written, tally
-        )
+        reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
+        like: dict[str, Any] = dict(dtype=torch.float32, device=base.device)
+        delta, scratch, lam = (torch.empty(width, **like) for _ in range(3))
+        # Row 0: 1.0 on unique elements (c = 1); row 1: 1.0 where RAM+ and
+        # RAM are written apart.
+        rows = torch.empty((2, width), **like)
+        plain = torch.empty(width, dtype=written, device=base.device)
+        found = torch.zeros((len(tasks), 2), dtype=torch.float64, device=base.device)
+        doubtful = False  # some chunk's Σ τ was not finite
         for start, stop in steps:
-            merger.merge(start, stop, out[start:stop])
-        return merger.tally, merger.doubtful
+            width = stop - start
+            base32, tau, mask, counts = reader.read(start, stop)
+            tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
+            if _has_negative_zero(base32):
+                # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
+                # otherwise): there a task leaving an element unchanged adds
+                # exactly −0.0, as mergekit's where() has it.
+                tau.masked_fill_(mask == 0, -0.0)
+            summed = _sum(tau, delta[:width])
+            if not (summed.is_meta or bool(torch.isfinite(summed.sum()))):
+                # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
+                # refusing, the caller checks the inputs; ignoring, it is a
+                # non-finite base's, and that task leaves the element
+                # unchanged, as mergekit's where() has it; ±∞ stays.
+                doubtful = True
+                torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
+                summed = _sum(tau, delta[:width])
+            if rescales:
+                # Λ = (1 − u) + u·Σ_t λ_t·m_t: exact, every product is by 0 or 1.
+                unique = torch.eq(counts, 1, out=rows[0, :width])
+                factor = torch.mul(mask[0], factors[0], out=lam[:width])
+                for row, scale in zip(mask[1:], factors[1:]):
+                    factor.add_(row, alpha=scale)
+                kept = torch.ne(counts, 1, out=scratch[:width])
+                torch.addcmul(kept, unique, factor, out=factor)
+                if tally:
+                    plain[:width].copy_(torch.add(base32, summed, out=scratch[:width]))
+                summed.mul_(factor)
+            written_part = out[start:stop].copy_(summed.add_(base32))
+            if tally:
+                bits = _BITS[out.element_size()]
+                apart = plain[:width].view(bits).sub_(written_part.view(bits))
+                rows[1, :width].copy_(apart).ne_(0)
+                # Sums of 0 / 1 over one chunk: exact in float32.
+                found += torch.mm(mask, rows[:, :width].T)
+        return found, doubtful
 
     walked = chunked_walk(flat_base, MERGE_CHUNK, merge)
     if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
         on_nonfinite()
     if on_rescaled is not None and tally:
-        totals = sum(tally for tally, _ in walked).tolist()
-        for index, scale in enumerate(lambdas):
+        totals = sum(found for found, _ in walked).tolist()
+        for index, scale in enumerate(scales):
             if scale != 1.0:
                 on_rescaled(index, int(totals[index][0]), int(totals[index][1]))
     return out.view(base.shape)
 
 
-def _resolved_scales(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    epsilon: float,
-    scales: Sequence[float | None],
-    scale_fn: ScaleFn | None,
-) -> list[float]:
-    """λ per task: its scale, or scale_fn on its k-way histogram in this
-    tensor (counted once for all such tasks, before any element is merged)."""
-    missing = [index for index, scale in enumerate(scales) if scale is None]
-    if not missing:
-        return [float(scale) for scale in scales]
-    if scale_fn is None:
-        raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
-    rows = overlaps(base, tasks, epsilon, MERGE_CHUNK)[0]
-    return [
-        float(scale_fn(index, torch.tensor(rows[index])) if scale is None else scale)
-        for index, scale in enumerate(scales)
-    ]
-
-
-class _ChunkMerge:
-    """One worker's buffers and steps for ram_merge_tensor, a chunk at a time.
-
-    In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c on the
-    changed elements, as stock mergekit sums; a zero of either sign where
-    c = 0, which leaves θ₀ + δ = θ₀ unless θ₀ is −0.0: see `merge`).
-    RAM+ multiplies δ by Λ = λ_t on task t's unique elements and 1
-    elsewhere, which is exact (δ = τ_t there; x·1 = x), and θ₀ + δ is
-    rounded into the output. With `tally` it also rounds θ₀ + δ before Λ
-    (RAM's value) and counts, per task, its unique elements and those whose
-    written bits differ.
-    """
-
-    def __init__(
-        self,
-        reader: ChunkReader,
-        scales: Sequence[float],
-        written: torch.dtype,
-        tally: bool,
-    ) -> None:
-        self.reader = reader
-        self.rescales = any(scale != 1.0 for scale in scales)
-        width, device = reader.width, reader.device
-        # λ as float32 holds it (the plan refuses one beyond float32's range).
-        self.scales = torch.tensor(list(scales), dtype=torch.float32).tolist()
-        like: dict[str, Any] = dict(dtype=torch.float32, device=device)
-        self.delta = torch.empty(width, **like)
-        self.scratch = torch.empty(width, **like)
-        self.factor = torch.empty(width, **like)
-        # Row 0: 1.0 on unique elements (c = 1); row 1 (tally): 1.0 where RAM+
-        # and RAM are written apart.
-        self.rows = torch.empty((2, width), **like)
-        self.plain = torch.empty(width, dtype=written, device=device)
-        self.tally = (
-            torch.zeros((len(scales), 2), dtype=torch.float64, device=device)
-            if tally
-            else None
-        )
-        self.doubtful = False  # some chunk's Σ τ was not finite
-
-    def merge(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """Elements [start, stop) into `out` (that slice of the output)."""
-        part = self.reader.read(start, stop)
-        width = stop - start
-        tau = part.tau.mul_(part.mask)
-        tau.div_(torch.clamp(part.counts, min=1, out=self.scratch[:width]))
-        if _has_negative_zero(part.base32):
-            # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
-            # otherwise): there a task leaving an element unchanged adds
-            # exactly −0.0, as mergekit's where() has it.
-            tau.masked_fill_(part.mask == 0, -0.0)
-        delta = self._sum(tau)
-        if not (delta.is_meta or bool(torch.isfinite(delta.sum()))):
-            # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
-            # refusing, the caller checks the inputs; ignoring, it is a
-            # non-finite base's, and that task leaves the element unchanged,
-            # as mergekit's where() has it; ±∞ stays.
-            self.doubtful = True
-            torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            delta = self._sum(tau)
-        if self.rescales:
-            unique = torch.eq(part.counts, 1, out=self.rows[0, :width])
-            factor = self._factor(part.mask, part.counts, unique)
-            if self.tally is not None:
-                plain = torch.add(part.base32, delta, out=self.scratch[:width])
-                self.plain[:width].copy_(plain)
-            delta.mul_(factor)
-        out.copy_(delta.add_(part.base32))
-        if self.tally is not None:
-            self._count(part.mask, out)
-
-    def _sum(self, tau: torch.Tensor) -> torch.Tensor:
-        """Σ_t of the rows of `tau`, in task order, into `delta`."""
-        delta = self.delta[: tau.shape[1]].copy_(tau[0])
-        for row in tau[1:]:
-            delta.add_(row)
-        return delta
-
-    def _factor(
-        self, mask: torch.Tensor, counts: torch.Tensor, unique: torch.Tensor
-    ) -> torch.Tensor:
-        """Λ = (1 − u) + u·Σ_t λ_t·m_t: λ of the one task changing a unique
-        element, 1 elsewhere; exact, as every product is by 0 or 1."""
-        width = unique.numel()
-        lam = torch.mul(mask[0], self.scales[0], out=self.factor[:width])
-        for row, scale in zip(mask[1:], self.scales[1:]):
-            lam.add_(row, alpha=scale)
-        kept = torch.ne(counts, 1, out=self.scratch[:width])
-        return torch.addcmul(kept, unique, lam, out=lam)
-
-    def _count(self, mask: torch.Tensor, out: torch.Tensor) -> None:
-        """Add, per task, [unique elements, of which written apart from RAM]."""
-        width = out.numel()
-        bits = _BITS[out.element_size()]
-        apart = self.plain[:width].view(bits).sub_(out.view(bits))
-        self.rows[1, :width].copy_(apart).ne_(0)
-        # Sums of 0 / 1 over one chunk: exact in float32.
-        self.tally += torch.mm(mask, self.rows[:, :width].T)
+def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Σ_t of the rows of `tau`, in task order, into `out`."""
+    out.copy_(tau[0])
+    for row in tau[1:]:
+        out.add_(row)
+    return out
 
 
 def _has_negative_zero(values: torch.Tensor) -> bool:
@@ -397,21 +332,21 @@ def overlaps(
         results = []
         for start, stop in steps:
             counted = each is not None or not joint
-            part = reader.read(start, stop, summed, counted=counted)
+            _, _, masks, counts = reader.read(start, stop, summed, counted)
             rows = reader.masks[:, : stop - start]
             if joint:
                 codes = rows[n].zero_()
-                for t, mask in enumerate(part.mask):
+                for t, mask in enumerate(masks):
                     codes.add_(mask, alpha=1 << t)
                 # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
                 codes = codes.to(torch.int32).to(torch.uint8)
                 found += torch.bincount(codes, minlength=1 << n)
             else:
                 for k, row in enumerate(rows[n:], 1):
-                    torch.eq(part.counts, k, out=row)
-                found += torch.mm(part.mask, rows.T).to(torch.int64)
+                    torch.eq(counts, k, out=row)
+                found += torch.mm(masks, rows.T).to(torch.int64)
             if each is not None:
-                results.append(each(reader.taus[:, : stop - start], part.counts))
+                results.append(each(reader.taus[:, : stop - start], counts))
         return found, summed, results
 
     walked = chunked_walk(flat_base, chunk, count, exact=each is not None)
