@@ -26,7 +26,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -337,13 +336,6 @@ def test_tasks_equal_to_the_base_give_the_base_bit_for_bit(case, data):
     out = merge(case, scales, rule)
     assert out.dtype == case.base.dtype and out.shape == case.base.shape
     assert torch.equal(bits(out), bits(case.base))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_negative_zero_base_keeps_its_sign(dtype):
-    base = torch.tensor([-0.0, 0.0, 1.0], dtype=dtype)
-    out = ram_merge_tensor(base, [base.clone()], epsilon=1e-5, scales=[1.0])
-    assert torch.equal(bits(out), bits(base))
 
 
 # --- r = 0 is RAM ---------------------------------------------------------

@@ -9,7 +9,6 @@ import torch
 from conftest import merge_yaml
 from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
-from mergekit_ram.commands.api import merge_tensors
 from mergekit_ram.core.kernel import change_mask, overlap_counts, task_vector
 from mergekit_ram.core.modes import _trimmed, ties_merge_tensor, unique_merge_tensor
 
@@ -131,22 +130,6 @@ def test_random_tensors_equal_reference(dtype, density, on_device):
     b, ts = as_dicts(base, tasks)
     ram, _ = reference.merge(b, ts, unique_scale=scales)
     assert not torch.equal(got, ram["w"])
-
-
-def test_api_merge_tensors_with_float32_output():
-    base, tasks = sparse_tasks((32, 16), [0.3, 0.4], seed=3)
-    base, tasks = cast(base, tasks, torch.bfloat16)
-    got = merge_tensors(
-        [base, *tasks],
-        "ramplus",
-        parameters={"shared": "ties", "density": 0.2, "unique_scale": 1.2},
-        base_index=0,
-        out_dtype=torch.float32,
-    )
-    want = expected(
-        base, tasks, density=0.2, scales=[1.2, 1.2], out_dtype=torch.float32
-    )
-    assert torch.equal(got, want)
 
 
 def test_yaml_merge_equals_reference(family_bf16, tmp_path):

@@ -5,7 +5,6 @@ kernel's count against the dense reference, element by element)."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import reference
@@ -27,19 +26,17 @@ RULES = [
 
 
 @pytest.mark.parametrize("rule", RULES, ids=repr)
-def test_scale_matches_reference_and_is_bounded(rule):
-    """1 for nothing changed, no shared or r = 0; the limit without unique."""
+def test_scale_matches_reference(rule):
+    """1 for nothing changed, no shared or r = 0; the limit without unique
+    (bounds and monotony: test_core_kernel_properties)."""
     for shared, unique in COUNTS:
         got = rule.scale(shared, unique)
-        assert math.isfinite(got) and 1.0 <= got <= rule.limit() + 1e-12
         expected = reference.lam(
             shared + unique, shared, unique, rule.r, rule.alpha, rule.saturation
         )
         assert got == pytest.approx(expected, rel=1e-14, abs=1e-15)
     assert rule.scale(0, 0) == rule.scale(0, 5) == 1.0
     assert rule.scale(7, 0) == rule.limit()
-    values = [rule.scale(shared, 10) for shared in range(0, 60, 3)]
-    assert values == sorted(values)
 
 
 def test_clip_and_soft_formulas():

@@ -79,14 +79,10 @@ class Products:
 
     def add(self, sums: torch.Tensor) -> None:
         """Add `inner_products`' (2N+1, N) block."""
-        n = len(self.ids)
-        values = sums.tolist()
-        for s in range(n):
+        values, n = sums.tolist(), len(self.ids)
+        for total, row in zip([*self.gram, *self.owned, self.ram], values):
             for t in range(n):
-                self.gram[s][t] += values[s][t]
-                self.owned[s][t] += values[n + s][t]
-        for t in range(n):
-            self.ram[t] += values[2 * n][t]
+                total[t] += row[t]
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mergekit_ram.core.parallel import run_on
+from mergekit_ram.core.parallel import workers
 
 # Called with (task index, that task's k-way histogram in this tensor) when a
 # task has no explicit scale; returns the scale for its unique elements.
@@ -139,7 +139,8 @@ def chunked_walk(
     def steps(run: torch.Tensor) -> T:
         return work([(s, min(s + size, total)) for s in run.tolist()])
 
-    return run_on(steps, torch.arange(0, total, size), device)
+    with workers() as pool:  # the merge's, or one for this call
+        return pool.map(steps, torch.arange(0, total, size), device)
 
 
 # The signed integer type of each float width: comparing written values by

@@ -124,12 +124,3 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
         _HELD.depth = depth
         if depth == 0 and torch.get_num_threads() != _HELD.saved:
             torch.set_num_threads(_HELD.saved)
-
-
-def run_on(
-    work: Callable[[torch.Tensor], T], items: torch.Tensor, device: torch.device
-) -> list[T]:
-    """`work` over `items` in contiguous runs on the current pool (or a
-    pool for this call when no merge opened one)."""
-    with workers() as pool:
-        return pool.map(work, items, device)

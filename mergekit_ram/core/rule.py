@@ -166,14 +166,12 @@ class SurvivalTally:
 
     def lost(self) -> bool:
         """Whether, over all tasks, under MOSTLY_LOST of the rescale survived."""
-        rescaled = sum(entry[0] for entry in self.counts.values())
-        survived = sum(entry[1] for entry in self.counts.values())
+        rescaled, survived = map(sum, zip([0, 0], *self.counts.values()))
         return rescaled > 0 and survived < MOSTLY_LOST * rescaled
 
     def warning(self) -> str:
         """The one line a merge whose rescale is mostly lost prints."""
-        rescaled = sum(entry[0] for entry in self.counts.values())
-        survived = sum(entry[1] for entry in self.counts.values())
+        rescaled, survived = map(sum, zip([0, 0], *self.counts.values()))
         written = "/".join(sorted(self.dtypes)) or "the output dtype"
         return (
             f"RAM+: only {survived:,} of {rescaled:,} rescaled unique elements "
