@@ -41,15 +41,9 @@ def task_vector(
     return out.copy_(task).sub_(base32)
 
 
-def change_mask(
-    tau: torch.Tensor, epsilon: float, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """m = |τ| > ε, strict and absolute (`out`: bool, or float32 for 1.0 /
-    0.0, which holds |τ| on the way: on CPU a comparison written to float32
-    costs a fraction of one written to bool)."""
-    same = out is not None and out.dtype == tau.dtype
-    magnitude = torch.abs(tau, out=out) if same else tau.abs()
-    return torch.gt(magnitude, epsilon, out=out)
+def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """m = |τ| > ε, strict and absolute (a NaN τ is unchanged)."""
+    return tau.abs() > epsilon
 
 
 @torch.no_grad()
@@ -75,8 +69,9 @@ DEVICE_CHUNK = 1 << 24
 class ChunkReader:
     """One worker's float32 rows for walking a tensor group a chunk at a time.
 
-    Masks are float32: counted, multiplied into τ and multiplied together by
-    arithmetic, which on CPU costs a fraction of the same work on bool.
+    Masks are float32 (`change_mask`'s rule): counted, multiplied into τ and
+    multiplied together by arithmetic, which on CPU costs a fraction of the
+    same work on bool.
     `taus` and `masks` hold `extra` more rows below the tasks' for the caller.
     """
 
@@ -90,10 +85,7 @@ class ChunkReader:
     ) -> None:
         n, like = len(flat_tasks), dict(dtype=torch.float32, device=flat_base.device)
         self.base, self.tasks, self.epsilon = flat_base, flat_tasks, epsilon
-        self.base32, self.counts = (
-            torch.empty(width, **like),
-            torch.empty(width, **like),
-        )
+        self.base32, self.counts = torch.empty((2, width), **like)
         self.taus = torch.empty((n + extra[0], width), **like)
         self.masks = torch.empty((n + extra[1], width), **like)
 
@@ -114,7 +106,10 @@ class ChunkReader:
             task_vector(task[start:stop], base32, out=row)
         if summed is not None:
             summed += tau.sum()
-        change_mask(tau, self.epsilon, out=mask)
+        # m = |τ| > ε as 1.0 / 0.0, |τ| held in the mask's rows on the way:
+        # on CPU a comparison written to float32 costs a fraction of one
+        # written to bool.
+        torch.gt(torch.abs(tau, out=mask), self.epsilon, out=mask)
         counts = self.counts[:width]
         if counted:
             torch.sum(mask, 0, out=counts)  # exact: sums of 0 / 1
