@@ -92,23 +92,6 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(
     assert torch.get_num_threads() == threads  # the count restores it
 
 
-def test_worked_example_counts():
-    base = torch.zeros(8)
-    tasks = [
-        torch.tensor([0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0]),
-        torch.tensor([0, 0.4, 0.4, 0, 0, -0.1, 0, 0]),
-        torch.tensor([0, 0, 0.6, 0.7, 0, 0, 0, 1e-6]),
-    ]
-    stats = OverlapStatistics(epsilon=1e-5)
-    stats.add("t", base, dict(enumerate(tasks)))
-    assert [stats.tasks[t].shared for t in range(3)] == [2, 2, 1]
-    assert [stats.tasks[t].unique for t in range(3)] == [1, 1, 1]
-    assert [stats.tasks[t].changed for t in range(3)] == [3, 3, 2]
-    assert [stats.tasks[t].rho for t in range(3)] == [2, 2, 1]
-    scales = stats.scales(ScaleRule(r=0.1, alpha=2.0))
-    assert [scales[t] for t in range(3)] == pytest.approx([1.2, 1.2, 1.1])
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_totals_and_per_tensor_equal_reference(seed):
     base, tasks = state_dicts(PROFILES, seed=seed)

@@ -338,29 +338,6 @@ def test_tasks_equal_to_the_base_give_the_base_bit_for_bit(case, data):
     assert torch.equal(bits(out), bits(case.base))
 
 
-# --- r = 0 is RAM ---------------------------------------------------------
-
-
-@settings(PROFILE)
-@given(
-    cases(),
-    st.floats(0.0, 1e6),
-    st.sampled_from(["clip", "soft"]),
-    COUNT,
-    COUNT,
-)
-def test_r_zero_is_ram(case, alpha, saturation, shared, unique):
-    """ScaleRule(r=0) gives λ = 1 whatever the counts and α (U = 0 included),
-    and a kernel fed it is bit-identical to plain RAM (λ = 1 for every task)."""
-    rule = ScaleRule(r=0.0, alpha=alpha, saturation=saturation)
-    assert rule.scale(shared, unique) == 1.0
-    assert rule.limit() == 1.0
-    ram = ram_merge_tensor(
-        case.base, case.tasks, epsilon=case.epsilon, scales=[1.0] * case.n
-    )
-    assert torch.equal(merge(case, [None] * case.n, rule), ram)
-
-
 # --- the merge rule, one class of element at a time ------------------------
 
 

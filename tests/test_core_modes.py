@@ -132,29 +132,6 @@ def test_random_tensors_equal_reference(dtype, density, on_device):
     assert not torch.equal(got, ram["w"])
 
 
-def test_yaml_merge_equals_reference(family_bf16, tmp_path):
-    """ramplus with shared: ties through mergekit's planner: global λ on the
-    unique elements, TIES on the shared ones, written in float32."""
-    family = family_bf16
-    settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
-    text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
-    out = tmp_path / "out"
-    merged = merge_yaml(text, out)
-    want, _ = reference.merge(
-        family.state("base"),
-        family.task_states(),
-        r=0.3,
-        alpha=1.0,
-        shared="ties",
-        density=0.2,
-        out_dtype=torch.float32,
-    )
-    assert sorted(merged) == sorted(want)
-    for name in want:
-        assert merged[name].dtype == torch.float32
-        assert torch.equal(merged[name], want[name]), name
-
-
 # --- shared: base -----------------------------------------------------------
 
 THEIRS = [0.0, 1 / 3, 0.0]  # their target_index 1 at their fixed factor 1/3
@@ -196,32 +173,36 @@ def test_base_mode_without_shared_elements_is_ram():
     assert got.tolist() == pytest.approx([0.6, 0.0, 0.0])
 
 
-def test_base_mode_yaml_merge_equals_reference(family_bf16, tmp_path):
+@pytest.mark.parametrize("shared", ["ties", "base"])
+def test_yaml_merge_equals_reference(shared, family_bf16, tmp_path):
+    """Through mergekit's planner: ramplus with shared: ties (global λ on the
+    unique elements, TIES on the shared ones, written in float32), and ram
+    with shared: base keeping one model's unique changes (Fig. 3)."""
     family = family_bf16
-    chosen = family.tasks[1]
-    scales = {name: (1.0 if name == chosen else 0.0) for name in family.tasks}
-    text = family.yaml(
-        "ram",
-        parameters={"shared": "base"},
-        model_parameters={n: {"unique_scale": v} for n, v in scales.items()},
-        dtype="float32",
-        out_dtype="bfloat16",
-    )
+    if shared == "ties":
+        settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
+        text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
+        settings["out_dtype"] = written = torch.float32
+        base, tasks = family.state("base"), family.task_states()
+    else:
+        chosen = {n: float(n == family.tasks[1]) for n in family.tasks}
+        text = family.yaml(
+            "ram",
+            parameters={"shared": "base"},
+            model_parameters={n: {"unique_scale": v} for n, v in chosen.items()},
+            dtype="float32",
+            out_dtype="bfloat16",
+        )
+        written = torch.bfloat16
+        settings = {"shared": "base", "unique_scale": list(chosen.values())}
+        settings["out_dtype"] = written
+        base = {k: v.float() for k, v in family.state("base").items()}
+        tasks = [{k: v.float() for k, v in t.items()} for t in family.task_states()]
     out = tmp_path / "out"
     merged = merge_yaml(text, out)
-    base = {k: v.float() for k, v in family.state("base").items()}
-    tasks = [{k: v.float() for k, v in t.items()} for t in family.task_states()]
-    want, _ = reference.merge(
-        base,
-        tasks,
-        shared="base",
-        unique_scale=[scales[n] for n in family.tasks],
-        out_dtype=torch.bfloat16,
-    )
+    want, _ = reference.merge(base, tasks, **settings)
     assert sorted(merged) == sorted(want)
-    moved = 0
     for name in want:
+        assert merged[name].dtype == written
         assert torch.equal(merged[name], want[name]), name
-        moved += int((merged[name] != family.state("base")[name]).sum())
-    assert moved > 0
-    assert not (out / "ram_statistics.json").exists()
+    assert (out / "ram_statistics.json").exists() == (shared == "ties")
