@@ -191,19 +191,15 @@ class OverlapStatistics:
         whether every task vector was finite (`core.kernel.overlaps`)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
-        ids = list(tasks)
-        inputs = [tasks[i] for i in ids]
-        summing = self.inner_products
+        ids, summing = list(tasks), self.inner_products
         rows, pairs, finite, sums = overlaps(
             base,
-            inputs,
+            [tasks[i] for i in ids],
             self.epsilon,
             PRODUCT_CHUNK if summing else COUNT_CHUNK,
-            (lambda block, c: inner_products(block, c, self.epsilon))
-            if summing
-            else None,
+            (lambda b, c: inner_products(b, c, self.epsilon)) if summing else None,
         )
-        if self.inner_products:
+        if summing:
             self.products[name] = Products.zeros(ids)
             for part in sums:
                 self.products[name].add(part)

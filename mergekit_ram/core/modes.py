@@ -108,20 +108,16 @@ def ties_shared_delta(
     density: float,
 ) -> torch.Tensor:
     """The TIES delta on the shared elements (flat, in `shared`'s order)."""
-    k = int((1.0 - density) * int(shared.sum()))
-    positive = torch.zeros(int(shared.sum()), device=base32.device)
-    negative = torch.zeros_like(positive)
+    n = int(shared.sum())
+    k = int((1.0 - density) * n)
+    positive, negative, total, kept_count = torch.zeros((4, n), device=base32.device)
     for task in tasks:
         kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
         positive += kept.clamp(min=0)
         negative += (-kept).clamp(min=0)
-    total = torch.zeros_like(positive)
-    kept_count = torch.zeros_like(positive)
     for task in tasks:
         kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
-        agree = ((kept > 0) & (positive > negative)) | (
-            (kept < 0) & (negative > positive)
-        )
+        agree = (kept > 0) & (positive > negative) | (kept < 0) & (negative > positive)
         total += torch.where(agree, kept, 0.0)
         kept_count += agree
     return total / kept_count.clamp(min=1)
