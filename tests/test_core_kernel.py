@@ -290,6 +290,7 @@ def test_nonfinite_base_kept_where_every_task_took_its_value(scales, on_device):
         ("task", math.nan, True),
         ("task", math.inf, True),
         ("base", -math.inf, True),
+        ("beside -0.0", math.nan, True),  # the signed-zero step keeps the doubt
     ],
 )
 def test_the_walk_says_when_some_tau_is_not_finite(
@@ -301,8 +302,10 @@ def test_the_walk_says_when_some_tau_is_not_finite(
 
     monkeypatch.setattr(kernel, "MERGE_CHUNK", 64)
     base, tasks = sparse_tasks((37, 29), [0.4, 0.3, 0.5], seed=7)
-    if where == "task":
+    if where in ("task", "beside -0.0"):
         tasks[1].view(-1)[500] = value
+    if where == "beside -0.0":
+        base.view(-1)[501] = tasks[0].view(-1)[501] = tasks[2].view(-1)[501] = -0.0
     elif where == "base":
         base.view(-1)[900] = value
     calls = []

@@ -221,19 +221,22 @@ def ram_merge_tensor(
             width = stop - start
             base32, tau, mask, counts = reader.read(start, stop)
             tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
-            if _has_negative_zero(base32):
-                # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
-                # otherwise): there a task leaving an element unchanged adds
-                # exactly −0.0, as mergekit's where() has it.
-                tau.masked_fill_(mask == 0, -0.0)
             summed = _sum(tau, delta[:width])
-            if not (summed.is_meta or bool(torch.isfinite(summed.sum()))):
+            finite = summed.is_meta or bool(torch.isfinite(summed.sum()))
+            if not finite:
                 # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
                 # refusing, the caller checks the inputs; ignoring, it is a
                 # non-finite base's, and that task leaves the element
                 # unchanged, as mergekit's where() has it; ±∞ stays.
                 doubtful = True
                 torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            signed = _has_negative_zero(base32)
+            if signed:
+                # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
+                # otherwise): there a task leaving an element unchanged adds
+                # exactly −0.0, as mergekit's where() has it.
+                tau.masked_fill_(mask == 0, -0.0)
+            if signed or not finite:
                 summed = _sum(tau, delta[:width])
             if rescales:
                 # Λ = (1 − u) + u·Σ_t λ_t·m_t: exact, every product is by 0 or 1.
