@@ -36,10 +36,9 @@ echo "gpu_check: $device"
 # Every test file with tests that take `on_device`; -k cuda keeps their CUDA variants.
 tests=(
   tests/test_core_kernel.py
-  tests/test_core_survival.py
+  tests/test_core_rule.py
   tests/test_core_counting.py
-  tests/test_core_ties.py
-  tests/test_core_unique.py
+  tests/test_core_modes.py
   tests/test_core_checks.py
   tests/test_integration_methods.py
   tests/test_integration_methods_out_dtype.py

@@ -9,8 +9,7 @@ import torch
 
 from mergekit_ram.analysis.card import card_section
 from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration import card as results
 
 

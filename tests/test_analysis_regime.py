@@ -5,7 +5,7 @@ random supports; retention against RAM, RAM+ and task arithmetic merged
 densely by tests/reference.py, with inner products taken over the dense
 vectors. Epsilon is large here so that sub-threshold values carry weight in
 the inner products (retention uses the full task vectors). The counting
-pass's chunked products (core.products) are checked here too, against whole
+pass's chunked products (core.counting.Products) are checked here too, against whole
 tensors and for the thread count they run with.
 """
 
@@ -26,7 +26,7 @@ from mergekit_ram.analysis.regime import (
 )
 from mergekit_ram.core import counting
 from mergekit_ram.core.counting import OverlapStatistics, tensor_overlaps
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 
 EPSILON = 1e-2
 IDS = ["code", "tools", "memory"]

@@ -9,17 +9,16 @@ import reference
 import torch
 from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
-from mergekit_ram.core import counting, kernel
+from mergekit_ram.core import counting
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import (
     OverlapStatistics,
-    TaskCounts,
     group_tensors,
     tensor_overlaps,
 )
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.kernel import JOINT_LIMIT
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
 PROFILES = {
@@ -41,23 +40,14 @@ def collected(base, tasks, ids=IDS, epsilon=EPSILON):
     return stats
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 3, JOINT_LIMIT, JOINT_LIMIT + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tensor_overlap_histograms_equal_reference(n, dtype, on_device):
-    base, tasks = cast(*sparse_tasks((15, 11), [0.4, 0.3, 0.5, 0.2][:n], seed=n), dtype)
-    rows, _ = tensor_overlaps(*on(on_device, base, tasks), EPSILON)
-    _, _, _, hist = reference_stats(*as_dicts(base, tasks))
-    assert rows == hist
-    assert all(len(row) == n for row in rows)
-
-
-@pytest.mark.parametrize("n", [JOINT_LIMIT, JOINT_LIMIT + 1])
-def test_joint_and_pairwise_counting_agree_with_reference(n):
+def test_counts_equal_reference(n, dtype, on_device):
     # Up to JOINT_LIMIT tasks the counts come from one histogram of the masks'
-    # joint pattern, above it from per-task histograms and pairwise ands.
+    # joint pattern, above it from a product of the masks.
     densities = [0.1 + 0.08 * t for t in range(n)]
-    base, tasks = cast(*sparse_tasks((9, 13), densities, seed=n), torch.bfloat16)
-    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
+    base, tasks = cast(*sparse_tasks((9, 13), densities, seed=n), dtype)
+    rows, pairs = tensor_overlaps(*on(on_device, base, tasks), EPSILON)
     per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
     assert rows == reference.csu(per_tensor, n)[3]
     assert pairs == reference.intersections(per_tensor, n)
@@ -102,46 +92,6 @@ def test_chunked_counting_equals_reference_across_chunk_boundaries(
     assert torch.get_num_threads() == threads  # the count restores it
 
 
-def test_counting_workers_each_take_a_contiguous_run(monkeypatch, torch_threads):
-    """Three usable CPUs and threads, ten chunks: every chunk counted once,
-    by runs of 3, 3, 4 (as chunk starts)."""
-    monkeypatch.setattr(counting, "COUNT_CHUNK", 4)
-    torch_threads(3)
-    runs = []
-    run_on = kernel.run_on
-
-    def recording(work, items, device):
-        def spy(run):
-            runs.append([4 * index for index in run])
-            return work(run)
-
-        return run_on(spy, items, device)
-
-    monkeypatch.setattr(kernel, "run_on", recording)
-    base, tasks = sparse_tasks((40,), [0.5, 0.3], seed=2)
-    rows, pairs = tensor_overlaps(base, tasks, EPSILON)
-    assert sorted(runs) == [[0, 4, 8], [12, 16, 20], [24, 28, 32, 36]]
-    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
-    assert rows == reference.csu(per_tensor, 2)[3]
-
-
-def test_worked_example_counts():
-    base = torch.zeros(8)
-    tasks = [
-        torch.tensor([0.5, 0, 0.2, 0, 0, 0.3, 5e-6, 0]),
-        torch.tensor([0, 0.4, 0.4, 0, 0, -0.1, 0, 0]),
-        torch.tensor([0, 0, 0.6, 0.7, 0, 0, 0, 1e-6]),
-    ]
-    stats = OverlapStatistics(epsilon=1e-5)
-    stats.add("t", base, dict(enumerate(tasks)))
-    assert [stats.tasks[t].shared for t in range(3)] == [2, 2, 1]
-    assert [stats.tasks[t].unique for t in range(3)] == [1, 1, 1]
-    assert [stats.tasks[t].changed for t in range(3)] == [3, 3, 2]
-    assert [stats.tasks[t].rho for t in range(3)] == [2, 2, 1]
-    scales = stats.scales(ScaleRule(r=0.1, alpha=2.0))
-    assert [scales[t] for t in range(3)] == pytest.approx([1.2, 1.2, 1.1])
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_totals_and_per_tensor_equal_reference(seed):
     base, tasks = state_dicts(PROFILES, seed=seed)
@@ -177,15 +127,6 @@ def test_totals_and_per_tensor_equal_reference(seed):
         for name in base
         for task_id in IDS
     )
-
-
-def test_epsilon_is_used():
-    base, tasks = state_dicts(PROFILES, seed=4)
-    coarse = collected(base, tasks, epsilon=5e-3)
-    C, S, U, hist = reference_stats(base, tasks, epsilon=5e-3)
-    assert [coarse.tasks[i].histogram for i in IDS] == hist
-    fine = collected(base, tasks)
-    assert [fine.tasks[i].changed for i in IDS] != C
 
 
 def test_same_tensor_twice_raises_and_changes_nothing():
@@ -238,35 +179,6 @@ def test_task_without_unique_elements():
     rule = ScaleRule(r=0.1, alpha=2.0)
     scales = stats.scales(rule)
     assert scales == {"a": rule.limit(), "b": rule.scale(3, 1), "same": 1.0}
-
-
-def test_task_counts_properties():
-    assert TaskCounts().rho == 0.0
-    assert TaskCounts().changed == TaskCounts().unique == TaskCounts().shared == 0
-    counts = TaskCounts([3, 4, 5], 100)
-    assert (counts.changed, counts.unique, counts.shared) == (12, 3, 9)
-    assert counts.rho == 3.0
-    assert TaskCounts([0, 2, 1]).rho == math.inf
-    assert TaskCounts([0, 0, 0]).rho == 0.0
-
-
-def test_single_task_is_all_unique():
-    base, (task,) = sparse_tasks((10, 10), [0.5], seed=5)
-    stats = OverlapStatistics(epsilon=EPSILON)
-    stats.add("w", base, {"only": task})
-    counts = stats.tasks["only"]
-    assert counts.shared == 0 and counts.unique > 0 and counts.rho == 0.0
-    assert stats.scales(ScaleRule(r=0.1, alpha=2.0)) == {"only": 1.0}
-
-
-def test_inputs_not_modified():
-    base, tasks = state_dicts(PROFILES, seed=6)
-    kept = {k: v.clone() for k, v in base.items()}
-    kept_tasks = [{k: v.clone() for k, v in t.items()} for t in tasks]
-    collected(base, tasks)
-    assert all(torch.equal(base[k], kept[k]) for k in base)
-    for t, old in zip(tasks, kept_tasks):
-        assert all(torch.equal(t[k], old[k]) for k in t)
 
 
 # --- checks on the way in (mergekit_ram.core.checks) ------------------------------
@@ -393,3 +305,37 @@ def test_count_tells_whether_every_task_vector_is_finite(
     else:
         with pytest.raises(RAMInputError, match="NaN"):
             finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
+
+
+# --- inner products (OverlapStatistics(inner_products=True)) ----------------------
+
+
+@pytest.mark.parametrize("n", [3, JOINT_LIMIT + 1])
+def test_products_equal_dense_reference(n):
+    """gram, owned and RAM's products of float64 dense vectors, τ exactly at
+    ±ε and just past it included (the change mask's rule)."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(60, generator=g) * 0.02
+    base[:4] = 0.0
+    edge = torch.tensor([0.01, -0.01, 0.0101, -0.0101])
+    tasks = []
+    for _ in range(n):
+        kept = torch.rand(60, generator=g) < 0.3
+        delta = torch.randn(60, generator=g) * 0.05 * kept
+        delta[:4] = edge
+        tasks.append(base + delta)
+    stats = OverlapStatistics(epsilon=1e-2, inner_products=True)
+    stats.add("w", base, dict(enumerate(tasks)))
+    products = stats.products["w"]
+    merged, _ = reference.merge(
+        {"w": base}, [{"w": t} for t in tasks], epsilon=1e-2, out_dtype=torch.float32
+    )
+    tau, m, c = reference.counts({"w": base}, [{"w": t} for t in tasks], 1e-2)["w"]
+    tau, delta = tau.double(), merged["w"].double() - base.double()
+    for t in range(n):
+        assert products.ram[t] == pytest.approx(float(delta @ tau[t]), rel=1e-5)
+        for s in range(n):
+            gram, owned = products.gram[s][t], products.owned[s][t]
+            assert gram == pytest.approx(float(tau[s] @ tau[t]), rel=1e-5, abs=1e-12)
+            mine = tau[s] * (m[s] & (c == 1))
+            assert owned == pytest.approx(float(mine @ tau[t]), rel=1e-5, abs=1e-12)

@@ -11,8 +11,7 @@ from collections.abc import Hashable, Mapping
 from mergekit_ram.analysis.render import percent, section
 from mergekit_ram.analysis.report import Analysis, build_report
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics, TaskCounts
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration.card import shared_mode, where_from
 from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import STATISTICS_FILE

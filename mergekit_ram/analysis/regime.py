@@ -6,7 +6,7 @@ densities would (lift ≈ 1: independent-like, the paper's regime; lift ≫ 1:
 heavily overlapping)? And how much of agent t's task vector does a merged task
 vector keep, retention = ⟨τ_merged, τ_t⟩ / ⟨τ_t, τ_t⟩? The expectations follow
 from the per-tensor counts alone; retention combines the few inner products
-the counting pass sums per tensor (`core.products`), because RAM+'s λ is known
+the counting pass sums per tensor (`core.counting.Products`), because RAM+'s λ is known
 only once the whole model is counted.
 """
 
@@ -16,8 +16,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from mergekit_ram.core.counting import OverlapStatistics
-from mergekit_ram.core.products import Products
+from mergekit_ram.core.counting import OverlapStatistics, Products
 
 # Methods whose retention is reported, in report order → their name in tables
 # and figures (task arithmetic with weight 1/N and 1).

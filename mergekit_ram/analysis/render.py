@@ -10,7 +10,7 @@ from typing import Any
 from mergekit_ram.analysis.regime import METHODS
 from mergekit_ram.analysis.report import PAPER_R
 from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING, unique_share_departure
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.rule import ScaleRule
 from mergekit_ram.integration.methods import is_ours
 
 Report = Mapping[str, Any]

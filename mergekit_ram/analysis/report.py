@@ -25,9 +25,7 @@ from mergekit_ram.analysis.regime import (
 from mergekit_ram.analysis.verdict import judge
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts, add_histogram
 from mergekit_ram.core.naming import MODULES, module_of
-from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, SurvivalTally
 from mergekit_ram.integration.card import shared_mode
 from mergekit_ram.integration.context import MergeRun
 from mergekit_ram.integration.statistics import statistics_document, with_survival

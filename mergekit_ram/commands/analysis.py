@@ -15,7 +15,7 @@ For any other merge method only the models and the base matter and the paper
 defaults are used (epsilon 1e-5, r 0.1, alpha 2, clip, global). `--epsilon`
 overrides epsilon in both cases.
 
-The same pass sums the task vectors' inner products (core.products), so the
+The same pass sums the task vectors' inner products (core.counting.Products), so the
 report also says how much of each task vector RAM, RAM+ and task arithmetic
 would keep, without merging or a second read.
 """

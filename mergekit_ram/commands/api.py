@@ -27,7 +27,6 @@ from mergekit.options import MergeOptions
 from mergekit_ram.commands.install import install
 from mergekit_ram.core.checks import from_base
 from mergekit_ram.core.parallel import workers
-from mergekit_ram.integration.cpus import usable_cpus
 from mergekit_ram.integration.methods import RAMMerge
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
@@ -96,7 +95,7 @@ def _pooled(function: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> T:
-        with workers(usable_cpus()):
+        with workers():
             return function(*args, **kwargs)
 
     return call

@@ -23,27 +23,6 @@ def from_base(dtype: torch.dtype | None) -> bool:
     return dtype is not None and not dtype.is_floating_point
 
 
-def _label(model: Hashable, base: Hashable) -> str:
-    return f"base model {model}" if model == base else f"model {model}"
-
-
-def _differing_axes(shapes: list[tuple[int, ...]]) -> set[int]:
-    """Axes along which same-rank shapes differ (empty when the ranks differ)."""
-    if len({len(shape) for shape in shapes}) != 1:
-        return set()
-    rank = len(shapes[0])
-    return {axis for axis in range(rank) if len({s[axis] for s in shapes}) > 1}
-
-
-def _is_vocabulary_mismatch(
-    name: str, axes: set[int], vocabulary_axis: int | None
-) -> bool:
-    """Whether only the token axis differs; by tensor name when mergekit gave none."""
-    if vocabulary_axis is not None:
-        return axes == {vocabulary_axis}
-    return axes == {0} and module_of(name) in ("embeddings", "lm_head")
-
-
 def check_layout(
     name: str,
     tensors: Mapping[Hashable, torch.Tensor],
@@ -69,9 +48,15 @@ def check_layout(
     if not odd_shape:
         return
     found = ", ".join(f"{tuple(tensors[m].shape)} in model {m}" for m in odd_shape)
-    axes = _differing_axes([tuple(t.shape) for t in tensors.values()])
-    if _is_vocabulary_mismatch(name, axes, vocabulary_axis):
-        (axis,) = axes
+    # Axes along which same-rank shapes differ (none when the ranks differ);
+    # the token axis by tensor name when mergekit gave none.
+    shapes = {tuple(t.shape) for t in tensors.values()}
+    ranks = {len(shape) for shape in shapes}
+    axes = {a for a in range(min(ranks)) if len({s[a] for s in shapes}) > 1}
+    if vocabulary_axis is None and module_of(name) in ("embeddings", "lm_head"):
+        vocabulary_axis = 0
+    if len(ranks) == 1 and axes == {vocabulary_axis}:
+        axis = vocabulary_axis
         hint = (
             f"Only the vocabulary axis ({axis}) differs: the models have different "
             "vocabularies. For a mergekit-yaml merge set `tokenizer_source: union` "
@@ -119,7 +104,8 @@ def _refusal(name: str, model: Hashable, base: Hashable, tensor: torch.Tensor) -
     nan = int(torch.isnan(tensor).sum())
     inf = int(torch.isinf(tensor).sum())
     return (
-        f"Tensor {name} of {_label(model, base)} has {nan} NaN and {inf} "
+        f"Tensor {name} of {'base model' if model == base else 'model'} {model} "
+        f"has {nan} NaN and {inf} "
         f"infinite values (of {tensor.numel()}, read as {tensor.dtype}); a merge "
         "would carry them into the output. Fix the checkpoint, or set the merge "
         "parameter `nonfinite: ignore` to treat them as unchanged (the output "

@@ -20,84 +20,28 @@ from dataclasses import dataclass, field
 import torch
 
 from mergekit_ram.core.checks import check_layout, from_base
-from mergekit_ram.core.kernel import (
-    change_mask,
-    count_masks,
-    overlaps,
-    overlaps_of,
-    task_vector_into,
-)
-from mergekit_ram.core.parallel import one_cpu_thread
-from mergekit_ram.core.products import Products, inner_products
-from mergekit_ram.core.scale import ScaleRule
+from mergekit_ram.core.kernel import overlaps
+from mergekit_ram.core.rule import ScaleRule
 
 
 def tensor_overlaps(
     base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """(histograms, intersections) of one tensor group, COUNT_CHUNK elements
-    a step (`core.kernel.overlaps`).
+    """(histograms, intersections) of one tensor group (`core.kernel.overlaps`).
 
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|.
     """
-    rows, pairs, _ = overlaps(base, tasks, epsilon, COUNT_CHUNK)
+    rows, pairs, _, _ = overlaps(base, tasks, epsilon, COUNT_CHUNK)
     return rows, pairs
 
 
 # Elements per step of the chunked count: its float32 rows stay in the CPU
 # cache, and no tensor-sized float32 copy is allocated (touching fresh pages
-# costs more than the arithmetic). Measured by benchmarks/count_chunk.py;
-# docs/performance.md has its table.
+# costs more than the arithmetic); docs/performance.md has the measurements.
 COUNT_CHUNK = 1 << 18
-
-
-# Elements per step of the pass that also sums inner products: the task
-# vectors of a chunk stay in cache, and no full-size float32 copy is made.
+# Elements per step of the count that also sums inner products.
 PRODUCT_CHUNK = 1 << 16
-
-
-@torch.no_grad()
-def overlaps_and_products(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    epsilon: float,
-    ids: Sequence[Hashable],
-) -> tuple[list[list[int]], list[list[int]], Products]:
-    """tensor_overlaps' counts and the tensor's Products, from one read.
-
-    A chunk at a time: every task's τ (kept, not overwritten by |τ|), its
-    mask and the overlap count, as the merge makes them.
-    """
-    count = len(tasks)
-    products = Products.zeros(ids)
-    rows = [[0] * count for _ in range(count)]
-    pairs = [[0] * count for _ in range(count)]
-    flat_base = base.reshape(-1)
-    flat_tasks = [task.reshape(-1) for task in tasks]
-    size = min(PRODUCT_CHUNK, flat_base.numel())
-    like = dict(dtype=torch.float32, device=base.device)
-    base32 = torch.empty(size, **like)
-    block = torch.empty((2 * count + 1, size), **like)  # τ rows first
-    scratch = torch.empty((count, size), **like)  # |τ|
-    with one_cpu_thread(base.device):
-        for start in range(0, flat_base.numel() if count else 0, PRODUCT_CHUNK):
-            stop = min(start + PRODUCT_CHUNK, flat_base.numel())
-            chunk = base32[: stop - start].copy_(flat_base[start:stop])
-            part = block[:, : stop - start]
-            for index, task in enumerate(flat_tasks):
-                task_vector_into(part[index], task[start:stop], chunk)
-            # |τ| into the scratch rows (abs_ on |τ| again is a no-op).
-            magnitude = torch.abs(part[:count], out=scratch[:, : stop - start])
-            masks = change_mask(magnitude, epsilon, overwrite=True)
-            part_rows, part_pairs = overlaps_of(list(masks), chunk)
-            for s in range(count):
-                add_histogram(rows[s], part_rows[s])
-                for t in range(count):
-                    pairs[s][t] += part_pairs[s][t]
-            counts = count_masks(list(masks), chunk)
-            products.add(inner_products(part, counts, epsilon))
-    return rows, pairs, products
 
 
 def add_histogram(total: list[int], row: Sequence[int]) -> None:
@@ -106,6 +50,64 @@ def add_histogram(total: list[int], row: Sequence[int]) -> None:
         total.extend([0] * (len(row) - len(total)))
     for k, value in enumerate(row):
         total[k] += int(value)
+
+
+@dataclass
+class Products:
+    """Inner products of one tensor's task vectors, summed in float64.
+
+    With τ_s the task vectors, m_s their change masks and c the overlap count
+    (docs/spec.md): gram[s][t] = ⟨τ_s, τ_t⟩; owned[s][t] = ⟨τ_s·[c = 1]·m_s,
+    τ_t⟩ (s's unique elements); ram[t] = ⟨τ_RAM, τ_t⟩ with τ_RAM the RAM merge
+    at λ = 1 (Σ_active τ / c). RAM+ scales only s's unique elements by λ_s,
+    so its product is ram[t] + Σ_s (λ_s − 1)·owned[s][t]; task arithmetic's
+    is Σ_s w·gram[s][t]. Full τ, sub-threshold values included, so the
+    numbers are exact inner products of the float32 vectors.
+    """
+
+    ids: list[Hashable]
+    gram: list[list[float]]
+    owned: list[list[float]]
+    ram: list[float]
+
+    @classmethod
+    def zeros(cls, ids: Sequence[Hashable]) -> Products:
+        n = len(ids)
+        return cls(
+            list(ids), [[0.0] * n for _ in ids], [[0.0] * n for _ in ids], [0.0] * n
+        )
+
+    def add(self, sums: torch.Tensor) -> None:
+        """Add `inner_products`' (2N+1, N) block."""
+        values, n = sums.tolist(), len(self.ids)
+        for total, row in zip([*self.gram, *self.owned, self.ram], values):
+            for t in range(n):
+                total[t] += row[t]
+
+
+@torch.no_grad()
+def inner_products(
+    block: torch.Tensor, counts: torch.Tensor, epsilon: float
+) -> torch.Tensor:
+    """The (2N+1, N) float64 block Products.add takes, for one chunk.
+
+    block (2N+1, n) float32 holds the N task vectors τ in its first rows
+    (core.kernel.overlaps' ChunkReader rows, reused for every chunk); counts
+    (n,) the overlap count. The other rows are filled here (owned, then RAM's
+    merged τ at λ = 1). Rows of the result: gram, owned, ram (Products).
+    """
+    n = (block.shape[0] - 1) // 2
+    taus = block[:n]
+    # τ·m in one fused step (hardshrink is exactly the change mask's rule for
+    # finite values), about three times cheaper than multiplying by the mask.
+    changed = torch.nn.functional.hardshrink(taus, epsilon)
+    unique = torch.eq(counts, 1, out=torch.empty_like(taus[0]))
+    torch.mul(changed, unique, out=block[n : 2 * n])
+    torch.sum(changed, 0, out=block[2 * n]).div_(counts.clamp(min=1))
+    del changed
+    # One matrix-vector product per task: faster than one matrix product here.
+    columns = [torch.mv(block, taus[t]) for t in range(n)]
+    return torch.stack(columns, dim=1).to("cpu", torch.float64)
 
 
 @dataclass
@@ -175,7 +177,7 @@ class OverlapStatistics:
     num_tensors: int = 0
     num_elements: int = 0
     seconds: float = 0.0
-    # Also sum inner products per tensor (core.products.Products) into `products`.
+    # Also sum inner products per tensor (Products) into `products`.
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
 
@@ -184,24 +186,23 @@ class OverlapStatistics:
         name: str,
         base: torch.Tensor,
         tasks: Mapping[Hashable, torch.Tensor],
-    ) -> bool | None:
+    ) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
-        whether every task vector was finite (None: not checked, see
-        `core.kernel.overlaps`; never with inner products)."""
+        whether every task vector was finite (`core.kernel.overlaps`)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
-        ids = list(tasks)
-        inputs = [tasks[i] for i in ids]
-        finite = None
-        if self.inner_products:
-            rows, pairs, products = overlaps_and_products(
-                base, inputs, self.epsilon, ids
-            )
-            self.products[name] = products
-        else:
-            rows, pairs, finite = overlaps(
-                base, inputs, self.epsilon, COUNT_CHUNK, checked=True
-            )
+        ids, summing = list(tasks), self.inner_products
+        rows, pairs, finite, sums = overlaps(
+            base,
+            [tasks[i] for i in ids],
+            self.epsilon,
+            PRODUCT_CHUNK if summing else COUNT_CHUNK,
+            (lambda b, c: inner_products(b, c, self.epsilon)) if summing else None,
+        )
+        if summing:
+            self.products[name] = Products.zeros(ids)
+            for part in sums:
+                self.products[name].add(part)
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}

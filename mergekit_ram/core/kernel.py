@@ -1,25 +1,21 @@
-"""The RAM merge rule for one tensor (docs/spec.md, "Merge rule").
+"""The RAM merge rule for one tensor, and the one count walk (docs/spec.md).
 
 Everything is computed in float32 whatever the stored dtype, helper tensors live
-on the inputs' device and inputs are never written. The merge walks the tensor
-a chunk at a time (`ChunkReader`, on the threads of `core.parallel`): per chunk
-it forms every task's τ and change mask, the overlap count, RAM's mean, λ on
-the unique elements, and writes the chunk rounded once to the output dtype.
-Nothing tensor-sized is allocated besides the output, however many task
-models there are, and the λ-survival count (does λ still change a unique
-element once written?) comes from the same chunk's values.
+on the inputs' device and inputs are never written. The merge and the count
+walk a tensor a chunk at a time through `ChunkReader` (so both apply the same
+τ and change mask), on the threads of `core.parallel`: nothing tensor-sized is
+allocated besides the output, however many task models there are.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
-from mergekit_ram.core.parallel import run_on
+from mergekit_ram.core.parallel import workers
 
 # Called with (task index, that task's k-way histogram in this tensor) when a
 # task has no explicit scale; returns the scale for its unique elements.
@@ -31,133 +27,52 @@ RescaleFn = Callable[[int, int, int], None]
 T = TypeVar("T")
 
 
-def task_vector_into(
-    out: torch.Tensor, task: torch.Tensor, base32: torch.Tensor
+def task_vector(
+    task: torch.Tensor, base32: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """τ = θ_t − θ₀ in float32, written into `out` (the inputs are untouched).
+    """τ = θ_t − θ₀ in float32, into `out` (else a new tensor); the inputs
+    are untouched.
 
     The task is rounded to float32 first (exact for half precision), then the
     base subtracted; copying first is several times faster on CPU than a
     mixed-dtype subtraction and gives the same bits.
     """
+    out = torch.empty_like(base32) if out is None else out
     return out.copy_(task).sub_(base32)
 
 
-def task_vector(task: torch.Tensor, base32: torch.Tensor) -> torch.Tensor:
-    """τ = θ_t − θ₀ in float32 (a fresh tensor; the inputs are untouched)."""
-    return task_vector_into(torch.empty_like(base32), task, base32)
-
-
-def change_mask(
-    tau: torch.Tensor,
-    epsilon: float,
-    *,
-    overwrite: bool = False,
-    out: torch.Tensor | None = None,
-):
-    """m = |τ| > ε, strict and absolute (`overwrite`: τ becomes |τ| in place;
-    `out`: a tensor to write m into, bool, or float32 for 1.0 / 0.0, which
-    holds |τ| on the way: on CPU a comparison written to float32 costs a
-    fraction of one written to bool)."""
-    if overwrite:
-        magnitude = tau.abs_()
-    elif out is not None and out.dtype == tau.dtype:
-        magnitude = torch.abs(tau, out=out)
-    else:
-        magnitude = tau.abs()
-    return torch.gt(magnitude, epsilon, out=out)
+def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """m = |τ| > ε, strict and absolute (a NaN τ is unchanged)."""
+    return tau.abs() > epsilon
 
 
 @torch.no_grad()
-def change_masks(
-    base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> list[torch.Tensor]:
-    """m_t per task, via one reused float32 buffer (the one place masks are made)."""
-    scratch = torch.empty_like(base32)
-    return [
-        change_mask(task_vector_into(scratch, task, base32), epsilon, overwrite=True)
-        for task in tasks
-    ]
-
-
-def count_masks(
-    masks: Sequence[torch.Tensor],
-    like: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """c_i: how many masks are set at element i (uint8 below 256 masks).
-
-    The one place masks are counted; `like` gives the shape and device when
-    there are none. `out`: a float32 tensor to count float masks (1.0 / 0.0)
-    into, exactly (any count below 2^24).
-    """
-    if out is not None:
-        out.zero_()
-        for mask in masks:
-            out += mask
-        return out
-    dtype = torch.uint8 if len(masks) < 256 else torch.int32
-    counts = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    for mask in masks:
-        # A bool tensor viewed as bytes adds far faster than one promoted.
-        counts += mask.view(torch.uint8) if dtype == torch.uint8 else mask
-    return counts
-
-
 def overlap_counts(
     base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
 ) -> torch.Tensor:
-    """c_i: how many task models change element i."""
-    return count_masks(change_masks(base32, tasks, epsilon), base32)
-
-
-def task_histogram(
-    counts: torch.Tensor, mask: torch.Tensor, num_tasks: int
-) -> torch.Tensor:
-    """Entry k: this task's changed elements that exactly k other tasks change too."""
-    # Elements outside the mask land in bin 0, which is dropped.
-    masked = (counts * mask).flatten()
-    if masked.dtype != torch.uint8:
-        masked = masked.to(torch.int64)
-    return torch.bincount(masked, minlength=num_tasks + 1)[1 : num_tasks + 1].cpu()
+    """c_i: how many task models change element i (int32, whole tensor)."""
+    counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
+    for task in tasks:
+        counts += change_mask(task_vector(task, base32), epsilon)
+    return counts
 
 
 # Elements per step of the chunked merge on CPU: its float32 rows (two per
 # task model and a few more) stay in the CPU's caches, and the forty-odd ops
-# of a step cost more in dispatch than in arithmetic below it. On 16.8 M
-# elements, base + 3 bf16 agents, 2 threads: 2^15 / 2^16 / 2^17 / 2^18 took
-# 0.17 / 0.11 / 0.09 / 0.09 s for RAM and 0.30 / 0.19 / 0.15 / 0.16 s for
-# RAM+ with its survival count (docs/performance.md).
+# of a step cost more in dispatch than in arithmetic below it
+# (docs/performance.md).
 MERGE_CHUNK = 1 << 17
 # Off the CPU a step costs per launched op, not per cache miss: far larger.
 DEVICE_CHUNK = 1 << 24
 
 
-def spans(total: int, chunk: int, device: torch.device) -> list[tuple[int, int]]:
-    """(start, stop) of each step over range(total): `chunk` elements on CPU,
-    at least DEVICE_CHUNK elsewhere."""
-    size = max(1, chunk if device.type == "cpu" else max(chunk, DEVICE_CHUNK))
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
-
-
-@dataclass
-class Chunk:
-    """Elements [start, stop) of a tensor group (views of a ChunkReader's rows)."""
-
-    base32: torch.Tensor  # θ₀ in float32
-    tau: torch.Tensor  # (tasks, width): τ_t, one row per task model
-    mask: torch.Tensor  # (tasks, width): m_t as 1.0 / 0.0
-    counts: torch.Tensor  # c, float32
-
-
 class ChunkReader:
     """One worker's float32 rows for walking a tensor group a chunk at a time.
 
-    The merge and the overlap count read through it, so both apply the same
-    τ and change mask. Masks are float32 (change_mask's `out`): counted, and
-    multiplied into τ, by arithmetic, which on CPU costs a fraction of the
+    Masks are float32 (`change_mask`'s rule): counted, multiplied into τ and
+    multiplied together by arithmetic, which on CPU costs a fraction of the
     same work on bool.
+    `taus` and `masks` hold `extra` more rows below the tasks' for the caller.
     """
 
     def __init__(
@@ -166,51 +81,61 @@ class ChunkReader:
         flat_tasks: Sequence[torch.Tensor],
         epsilon: float,
         width: int,
+        extra: tuple[int, int] = (0, 0),
     ) -> None:
-        self.width, self.device = width, flat_base.device
-        like = dict(dtype=torch.float32, device=self.device)
-        self._base, self._tasks, self._epsilon = flat_base, flat_tasks, epsilon
-        self._base32 = torch.empty(width, **like)
-        self._tau = torch.empty((len(flat_tasks), width), **like)
-        self._mask = torch.empty((len(flat_tasks), width), **like)
-        self._counts = torch.empty(width, **like)
+        n, like = len(flat_tasks), dict(dtype=torch.float32, device=flat_base.device)
+        self.base, self.tasks, self.epsilon = flat_base, flat_tasks, epsilon
+        self.base32, self.counts = torch.empty((2, width), **like)
+        self.taus = torch.empty((n + extra[0], width), **like)
+        self.masks = torch.empty((n + extra[1], width), **like)
 
     def read(
         self,
         start: int,
         stop: int,
-        *,
-        counted: bool = True,
         summed: torch.Tensor | None = None,
-    ) -> Chunk:
-        """θ₀, τ, m and (`counted`) c of elements [start, stop), overwriting
-        the last chunk read; `summed`: a float32 scalar to add Σ τ to."""
-        width = stop - start
-        base32 = self._base32[:width].copy_(self._base[start:stop])
-        tau, mask = self._tau[:, :width], self._mask[:, :width]
-        for row, task in zip(tau, self._tasks):
-            task_vector_into(row, task[start:stop], base32)
+        counted: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """θ₀, τ (a row per task), m (1.0 / 0.0) and (`counted`) c, all
+        float32, of elements [start, stop), overwriting the last chunk read;
+        `summed`: a float32 scalar to add Σ τ to."""
+        width, n = stop - start, len(self.tasks)
+        base32 = self.base32[:width].copy_(self.base[start:stop])
+        tau, mask = self.taus[:n, :width], self.masks[:n, :width]
+        for row, task in zip(tau, self.tasks):
+            task_vector(task[start:stop], base32, out=row)
         if summed is not None:
             summed += tau.sum()
-        change_mask(tau, self._epsilon, out=mask)
-        counts = self._counts[:width]
+        # m = |τ| > ε as 1.0 / 0.0, |τ| held in the mask's rows on the way:
+        # on CPU a comparison written to float32 costs a fraction of one
+        # written to bool.
+        torch.gt(torch.abs(tau, out=mask), self.epsilon, out=mask)
+        counts = self.counts[:width]
         if counted:
-            count_masks(mask, base32, out=counts)
-        return Chunk(base32, tau, mask, counts)
+            torch.sum(mask, 0, out=counts)  # exact: sums of 0 / 1
+        return base32, tau, mask, counts
 
 
 def chunked_walk(
     flat_base: torch.Tensor,
     chunk: int,
     work: Callable[[list[tuple[int, int]]], T],
+    *,
+    exact: bool = False,
 ) -> list[T]:
-    """`work` on contiguous runs of the steps over flat_base (`spans`), one
+    """`work` on contiguous runs of the (start, stop) steps over flat_base, one
     run per worker thread of the current pool (`core.parallel`); results in
-    run order. Every worker makes its own buffers in `work`."""
-    steps = spans(flat_base.numel(), chunk, flat_base.device)
-    return run_on(
-        lambda run: work(steps[run.start : run.stop]), len(steps), flat_base.device
-    )
+    run order. Every worker makes its own buffers in `work`. A step is
+    `chunk` elements on CPU, at least DEVICE_CHUNK elsewhere unless `exact`
+    (float sums that depend on where the chunks end)."""
+    total, device = flat_base.numel(), flat_base.device
+    size = chunk if device.type == "cpu" or exact else max(chunk, DEVICE_CHUNK)
+
+    def steps(run: torch.Tensor) -> T:
+        return work([(s, min(s + size, total)) for s in run.tolist()])
+
+    with workers() as pool:  # the merge's, or one for this call
+        return pool.map(steps, torch.arange(0, total, size), device)
 
 
 # The signed integer type of each float width: comparing written values by
@@ -252,34 +177,104 @@ def ram_merge_tensor(
     by it) counts as unchanged, as in the count, so such an element keeps
     the base's value.
     """
-    _check_scales(tasks, scales)
+    if len(scales) != len(tasks):
+        raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
     written = out_dtype or base.dtype
     if not tasks:
         return base.to(dtype=written, copy=True)
-    lambdas = _resolved_scales(base, tasks, epsilon, scales, scale_fn)
-    flat_base = base.reshape(-1)
-    flat_tasks = [task.reshape(-1) for task in tasks]
+    missing = [index for index, scale in enumerate(scales) if scale is None]
+    if missing and scale_fn is None:
+        raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
+    if missing:  # this tensor's histograms, counted before any element is merged
+        rows = overlaps(base, tasks, epsilon, MERGE_CHUNK)[0]
+        scales = [
+            scale_fn(index, torch.tensor(rows[index])) if scale is None else scale
+            for index, scale in enumerate(scales)
+        ]
+    scales = [float(scale) for scale in scales]
+    # λ as float32 holds it (the plan refuses one beyond float32's range).
+    factors = torch.tensor(scales, dtype=torch.float32).tolist()
+    rescales = any(scale != 1.0 for scale in scales)
+    tally = on_rescaled is not None and rescales
+    flat_base, flat_tasks = base.reshape(-1), [task.reshape(-1) for task in tasks]
     out = torch.empty(flat_base.shape, dtype=written, device=base.device)
-    tally = on_rescaled is not None and any(scale != 1.0 for scale in lambdas)
 
-    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor | None, bool]:
+    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:
+        """In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c
+        on the changed elements, as stock mergekit sums; a zero of either
+        sign where c = 0). RAM+ multiplies δ by Λ = λ_t on task t's unique
+        elements and 1 elsewhere, which is exact (δ = τ_t there; x·1 = x),
+        and θ₀ + δ is rounded into the output. With `tally` it also rounds
+        θ₀ + δ before Λ (RAM's value) and counts, per task, its unique
+        elements and those whose written bits differ."""
         width = max((stop - start for start, stop in steps), default=0)
-        merger = _ChunkMerge(
-            ChunkReader(flat_base, flat_tasks, epsilon, width), lambdas, written, tally
-        )
+        reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
+        like: dict[str, Any] = dict(dtype=torch.float32, device=base.device)
+        delta, scratch, lam = (torch.empty(width, **like) for _ in range(3))
+        # Row 0: 1.0 on unique elements (c = 1); row 1: 1.0 where RAM+ and
+        # RAM are written apart.
+        rows = torch.empty((2, width), **like)
+        plain = torch.empty(width, dtype=written, device=base.device)
+        found = torch.zeros((len(tasks), 2), dtype=torch.float64, device=base.device)
+        doubtful = False  # some chunk's Σ τ was not finite
         for start, stop in steps:
-            merger.merge(start, stop, out[start:stop])
-        return merger.tally, merger.doubtful
+            width = stop - start
+            base32, tau, mask, counts = reader.read(start, stop)
+            tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
+            summed = _sum(tau, delta[:width])
+            finite = summed.is_meta or bool(torch.isfinite(summed.sum()))
+            if not finite:
+                # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
+                # refusing, the caller checks the inputs; ignoring, it is a
+                # non-finite base's, and that task leaves the element
+                # unchanged, as mergekit's where() has it; ±∞ stays.
+                doubtful = True
+                torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            signed = _has_negative_zero(base32)
+            if signed:
+                # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
+                # otherwise): there a task leaving an element unchanged adds
+                # exactly −0.0, as mergekit's where() has it.
+                tau.masked_fill_(mask == 0, -0.0)
+            if signed or not finite:
+                summed = _sum(tau, delta[:width])
+            if rescales:
+                # Λ = (1 − u) + u·Σ_t λ_t·m_t: exact, every product is by 0 or 1.
+                unique = torch.eq(counts, 1, out=rows[0, :width])
+                factor = torch.mul(mask[0], factors[0], out=lam[:width])
+                for row, scale in zip(mask[1:], factors[1:]):
+                    factor.add_(row, alpha=scale)
+                kept = torch.ne(counts, 1, out=scratch[:width])
+                torch.addcmul(kept, unique, factor, out=factor)
+                if tally:
+                    plain[:width].copy_(torch.add(base32, summed, out=scratch[:width]))
+                summed.mul_(factor)
+            written_part = out[start:stop].copy_(summed.add_(base32))
+            if tally:
+                bits = _BITS[out.element_size()]
+                apart = plain[:width].view(bits).sub_(written_part.view(bits))
+                rows[1, :width].copy_(apart).ne_(0)
+                # Sums of 0 / 1 over one chunk: exact in float32.
+                found += torch.mm(mask, rows[:, :width].T)
+        return found, doubtful
 
     walked = chunked_walk(flat_base, MERGE_CHUNK, merge)
     if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
         on_nonfinite()
     if on_rescaled is not None and tally:
-        totals = sum(tally for tally, _ in walked).tolist()
-        for index, scale in enumerate(lambdas):
+        totals = sum(found for found, _ in walked).tolist()
+        for index, scale in enumerate(scales):
             if scale != 1.0:
                 on_rescaled(index, int(totals[index][0]), int(totals[index][1]))
     return out.view(base.shape)
+
+
+def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Σ_t of the rows of `tau`, in task order, into `out`."""
+    out.copy_(tau[0])
+    for row in tau[1:]:
+        out.add_(row)
+    return out
 
 
 def _has_negative_zero(values: torch.Tensor) -> bool:
@@ -291,280 +286,78 @@ def _has_negative_zero(values: torch.Tensor) -> bool:
     return int(bits.min()) == torch.iinfo(torch.int32).min
 
 
-def _sum_is_finite(values: torch.Tensor) -> bool:
-    """Whether Σ values is finite: so is every value (a sum that overflows
-    only says "look closer"); tensors without data count as finite."""
-    return values.is_meta or bool(torch.isfinite(values.sum()))
-
-
-def _resolved_scales(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    epsilon: float,
-    scales: Sequence[float | None],
-    scale_fn: ScaleFn | None,
-) -> list[float]:
-    """λ per task: its scale, or scale_fn on its k-way histogram in this
-    tensor (counted once for all such tasks, before any element is merged)."""
-    missing = [index for index, scale in enumerate(scales) if scale is None]
-    if not missing:
-        return [float(scale) for scale in scales]
-    if scale_fn is None:
-        raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
-    rows, _, _ = overlaps(base, tasks, epsilon, MERGE_CHUNK)
-    return [
-        float(scale_fn(index, torch.tensor(rows[index])) if scale is None else scale)
-        for index, scale in enumerate(scales)
-    ]
-
-
-class _ChunkMerge:
-    """One worker's buffers and steps for ram_merge_tensor, a chunk at a time.
-
-    In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c on the
-    changed elements, as stock mergekit sums; a zero of either sign where
-    c = 0, which leaves θ₀ + δ = θ₀ unless θ₀ is −0.0: `_signed_zeros`).
-    RAM+ multiplies δ by Λ = λ_t on task t's unique elements and 1
-    elsewhere, which is exact (δ = τ_t there; x·1 = x), and θ₀ + δ is
-    rounded into the output. With `tally` it also rounds θ₀ + δ before Λ
-    (RAM's value) and counts, per task, its unique elements and those whose
-    written bits differ.
-    """
-
-    def __init__(
-        self,
-        reader: ChunkReader,
-        scales: Sequence[float],
-        written: torch.dtype,
-        tally: bool,
-    ) -> None:
-        self.reader = reader
-        self.rescales = any(scale != 1.0 for scale in scales)
-        width, device = reader.width, reader.device
-        # λ as float32 holds it (the plan refuses one beyond float32's range).
-        self.scales = torch.tensor(list(scales), dtype=torch.float32).tolist()
-        like = dict(dtype=torch.float32, device=device)
-        self.delta = torch.empty(width, **like)
-        self.scratch = torch.empty(width, **like)
-        self.factor = torch.empty(width, **like)
-        self.changed = torch.empty(width, dtype=torch.bool, device=device)
-        self.negative_zero = torch.tensor(-0.0, device=device)
-        # Row 0: 1.0 on unique elements (c = 1); row 1 (tally): 1.0 where RAM+
-        # and RAM are written apart.
-        self.rows = torch.empty((2, width), **like)
-        self.plain = torch.empty(width, dtype=written, device=device)
-        self.tally = (
-            torch.zeros((len(scales), 2), dtype=torch.float64, device=device)
-            if tally
-            else None
-        )
-        self.doubtful = False  # some chunk's Σ τ was not finite
-
-    def merge(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """Elements [start, stop) into `out` (that slice of the output)."""
-        part = self.reader.read(start, stop)
-        width = stop - start
-        tau = part.tau.mul_(part.mask)
-        tau.div_(torch.clamp(part.counts, min=1, out=self.scratch[:width]))
-        if _has_negative_zero(part.base32):
-            self._signed_zeros(tau, part.mask)
-        delta = self._sum(tau)
-        if not _sum_is_finite(delta):
-            # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
-            # refusing, the caller checks the inputs; ignoring, it is a
-            # non-finite base's, and that task leaves the element unchanged,
-            # as mergekit's where() has it; ±∞ stays.
-            self.doubtful = True
-            torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            delta = self._sum(tau)
-        if self.rescales:
-            unique = torch.eq(part.counts, 1, out=self.rows[0, :width])
-            factor = self._factor(part.mask, part.counts, unique)
-            if self.tally is not None:
-                plain = torch.add(part.base32, delta, out=self.scratch[:width])
-                self.plain[:width].copy_(plain)
-            delta.mul_(factor)
-        out.copy_(delta.add_(part.base32))
-        if self.tally is not None:
-            self._count(part.mask, out)
-
-    def _sum(self, tau: torch.Tensor) -> torch.Tensor:
-        """Σ_t of the rows of `tau`, in task order, into `delta`."""
-        delta = self.delta[: tau.shape[1]].copy_(tau[0])
-        for row in tau[1:]:
-            delta.add_(row)
-        return delta
-
-    def _signed_zeros(self, tau: torch.Tensor, mask: torch.Tensor) -> None:
-        """τ_t·m_t/c → exactly −0.0 where task t leaves the element unchanged.
-
-        Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x for
-        every other x, +0.0 included), so only chunks holding one pay for
-        this; there the sum runs exactly as mergekit's does, −0.0 kept where
-        c = 0, and an element whose terms cancel gets +0.0.
-        """
-        changed = self.changed[: tau.shape[1]]
-        for row, row_mask in zip(tau, mask):
-            torch.where(changed.copy_(row_mask), row, self.negative_zero, out=row)
-
-    def _factor(
-        self, mask: torch.Tensor, counts: torch.Tensor, unique: torch.Tensor
-    ) -> torch.Tensor:
-        """Λ = (1 − u) + u·Σ_t λ_t·m_t: λ of the one task changing a unique
-        element, 1 elsewhere; exact, as every product is by 0 or 1."""
-        width = unique.numel()
-        lam = torch.mul(mask[0], self.scales[0], out=self.factor[:width])
-        for row, scale in zip(mask[1:], self.scales[1:]):
-            lam.add_(row, alpha=scale)
-        kept = torch.ne(counts, 1, out=self.scratch[:width])
-        return torch.addcmul(kept, unique, lam, out=lam)
-
-    def _count(self, mask: torch.Tensor, out: torch.Tensor) -> None:
-        """Add, per task, [unique elements, of which written apart from RAM]."""
-        width = out.numel()
-        bits = _BITS[out.element_size()]
-        apart = self.plain[:width].view(bits).sub_(out.view(bits))
-        self.rows[1, :width].copy_(apart).ne_(0)
-        # Sums of 0 / 1 over one chunk: exact in float32.
-        self.tally += torch.mm(mask, self.rows[:, :width].T)
-
-
-# Up to this many tasks, one byte per element holds which tasks change it.
+# Called per chunk of a count walk with a (2N+1, width) float32 block holding
+# the chunk's τ in its first N rows (the rest is the callee's) and c.
+ChunkFn = Callable[[torch.Tensor, torch.Tensor], T]
+# Up to this many tasks, one code per element holds which tasks change it.
 JOINT_LIMIT = 8
 
 
+@torch.no_grad()
 def overlaps(
     base: torch.Tensor,
     tasks: Sequence[torch.Tensor],
     epsilon: float,
     chunk: int,
-    *,
-    checked: bool = False,
-) -> tuple[list[list[int]], list[list[int]], bool | None]:
-    """(histograms, intersections, finite) of one tensor group.
+    each: ChunkFn | None = None,
+) -> tuple[list[list[int]], list[list[int]], bool, list]:
+    """(histograms, intersections, finite, each's results) of one tensor
+    group, from one walk over it `chunk` elements a step.
 
-    histograms[t][k]: task t's changed elements that k other tasks change too;
-    intersections[s][t] = |m_s ∧ m_t|; the diagonal is each task's changed
-    count. Up to JOINT_LIMIT tasks the masks are made and counted `chunk`
-    elements at a time (`joint_patterns`); beyond, every mask is computed
-    once and kept as bool (one byte per element and task) for this tensor.
-    `finite` (`checked`, up to JOINT_LIMIT tasks; else None): whether every
-    τ was finite, which (with a task) holds exactly when base and tasks are,
-    save where θ_t − θ₀ overflows float32.
+    histograms[t][k]: task t's changed elements that exactly k other tasks
+    change too; intersections[s][t] = |m_s ∧ m_t| (the diagonal: each task's
+    changed count). Per chunk, up to JOINT_LIMIT tasks, one histogram of the
+    masks' joint pattern (bit t: task t changes the element) determines both;
+    beyond, one product of the masks with [masks; c = 1 … c = N] counts them
+    (sums of 0 / 1, exact in float32). `finite`: whether every τ was finite,
+    which (with a task) holds exactly when base and tasks are, save where
+    θ_t − θ₀ overflows float32; it rides on one sum per chunk (NaN and ±∞
+    carry into it, an overflowing sum only says "look closer":
+    checks.finite_inputs). `each` (inner products) runs on every chunk; its
+    results come back in chunk order, the chunks ending where they would on
+    one thread, so float sums over them do not depend on the workers.
     """
-    if tasks and len(tasks) <= JOINT_LIMIT:
-        joint, finite = joint_patterns(base, tasks, epsilon, chunk, checked=checked)
-        return (*decode_joint(joint, len(tasks)), finite)
-    base32 = base.to(dtype=torch.float32)
-    return (*overlaps_of(change_masks(base32, tasks, epsilon), base32), None)
-
-
-@torch.no_grad()
-def joint_patterns(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    epsilon: float,
-    chunk: int,
-    *,
-    checked: bool,
-) -> tuple[list[int], bool | None]:
-    """How many elements show each joint change pattern (bit t: task t's
-    m = |τ_t| > ε) and (`checked`) whether every τ was finite; counted
-    `chunk` elements at a time through ChunkReader on the current pool's
-    workers (integer counts add up to the same totals in any order).
-
-    The finiteness rides on one sum per chunk: NaN and ±Inf carry into it,
-    and a sum that overflows only says "look closer" (checks.finite_inputs).
-    """
+    n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
     flat_base = base.reshape(-1)
     flat_tasks = [task.reshape(-1) for task in tasks]
 
-    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
         width = max((stop - start for start, stop in steps), default=0)
-        reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
-        codes = torch.empty(width, dtype=torch.float32, device=base.device)
-        joint = torch.zeros(1 << len(tasks), dtype=torch.int64, device=base.device)
-        total = torch.zeros((), dtype=torch.float32, device=base.device)
-        summed = total if checked else None
+        extra = (n + 1 if each else 0, 1 if joint else n)
+        reader = ChunkReader(flat_base, flat_tasks, epsilon, width, extra)
+        shape = (1 << n,) if joint else (n, 2 * n)
+        found = torch.zeros(shape, dtype=torch.int64, device=base.device)
+        summed = torch.zeros((), dtype=torch.float32, device=base.device)
+        results = []
         for start, stop in steps:
-            part = reader.read(start, stop, counted=False, summed=summed)
-            joint += pattern_counts(part.mask, codes[: stop - start], len(tasks))
-        return joint, total
+            counted = each is not None or not joint
+            _, _, masks, counts = reader.read(start, stop, summed, counted)
+            rows = reader.masks[:, : stop - start]
+            if joint:
+                codes = rows[n].zero_()
+                for t, mask in enumerate(masks):
+                    codes.add_(mask, alpha=1 << t)
+                # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
+                codes = codes.to(torch.int32).to(torch.uint8)
+                found += torch.bincount(codes, minlength=1 << n)
+            else:
+                for k, row in enumerate(rows[n:], 1):
+                    torch.eq(counts, k, out=row)
+                found += torch.mm(masks, rows.T).to(torch.int64)
+            if each is not None:
+                results.append(each(reader.taus[:, : stop - start], counts))
+        return found, summed, results
 
-    results = chunked_walk(flat_base, chunk, count)
-    joint = sum(part for part, _ in results).tolist()
-    if not checked:
-        return joint, None
-    return joint, all(bool(torch.isfinite(total)) for _, total in results)
-
-
-def pattern_counts(
-    masks: Iterable[torch.Tensor], codes: torch.Tensor, n: int
-) -> torch.Tensor:
-    """How many elements show each of the 2^n joint patterns of `masks`
-    (bit t: mask t; bool masks into uint8 `codes`, float32 ones into float32
-    `codes`, the masks' size)."""
-    codes.zero_()
-    for t, mask in enumerate(masks):
-        codes.add_(mask.view(torch.uint8) if mask.dtype == torch.bool else mask,
-                   alpha=1 << t)  # fmt: skip
-    if codes.is_floating_point():
-        # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
-        codes = codes.to(torch.int32).to(torch.uint8)
-    return torch.bincount(codes, minlength=1 << n)
-
-
-def overlaps_of(
-    masks: Sequence[torch.Tensor], like: torch.Tensor
-) -> tuple[list[list[int]], list[list[int]]]:
-    """overlaps' (histograms, intersections) from masks already made."""
-    if not masks:
-        return [], []
-    if len(masks) <= JOINT_LIMIT:
-        return _from_joint(masks)
-    counts = count_masks(masks, like)
-    rows = [task_histogram(counts, mask, len(masks)).tolist() for mask in masks]
-    pairs = [[0] * len(masks) for _ in masks]
-    for s, mask in enumerate(masks):
-        pairs[s][s] = sum(rows[s])
-        for t in range(s + 1, len(masks)):
-            pairs[s][t] = pairs[t][s] = int(
-                torch.count_nonzero(torch.logical_and(mask, masks[t]))
-            )
-    return rows, pairs
-
-
-def _from_joint(
-    masks: Sequence[torch.Tensor],
-) -> tuple[list[list[int]], list[list[int]]]:
-    """overlaps' counts from one histogram of the masks' joint pattern.
-
-    Bit t of an element's pattern says whether task t changes it; how many
-    elements show each of the 2^N patterns determines every task's k-way
-    histogram and every pairwise intersection, for one pass over a byte per
-    element instead of one per task and pair.
-    """
-    codes = torch.empty(masks[0].numel(), dtype=torch.uint8, device=masks[0].device)
-    flat = [mask.reshape(-1) for mask in masks]
-    return decode_joint(pattern_counts(flat, codes, len(masks)).tolist(), len(masks))
-
-
-def decode_joint(
-    joint: Sequence[int], n: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Every task's k-way histogram and every pairwise intersection from the
-    number of elements showing each joint pattern (bit t: task t changes it)."""
-    rows = [[0] * n for _ in range(n)]
-    pairs = [[0] * n for _ in range(n)]
-    for code, elements in enumerate(joint):
-        members = [t for t in range(n) if code >> t & 1]
-        for s in members:
-            rows[s][len(members) - 1] += elements
-            for t in members:
-                pairs[s][t] += elements
-    return rows, pairs
-
-
-def _check_scales(tasks: Sequence[torch.Tensor], scales: Sequence) -> None:
-    if len(scales) != len(tasks):
-        raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
+    walked = chunked_walk(flat_base, chunk, count, exact=each is not None)
+    found = sum(part for part, _, _ in walked).tolist()
+    finite = all(bool(torch.isfinite(summed)) for _, summed, _ in walked)
+    results = [result for _, _, part in walked for result in part]
+    if joint:  # every task's histogram and intersections from the patterns
+        found, patterns = [[0] * 2 * n for _ in range(n)], found
+        for code, elements in enumerate(patterns):
+            members = [t for t in range(n) if code >> t & 1]
+            for s in members:
+                found[s][n + len(members) - 1] += elements
+                for t in members:
+                    found[s][t] += elements
+    return [row[n:] for row in found], [row[:n] for row in found], finite, results

@@ -3,17 +3,15 @@
 The merge kernel and the overlap count walk a tensor a chunk at a time; on
 CPU the chunks are shared out, in contiguous runs, among Python threads that
 each run their torch ops on one thread (no per-op synchronisation, and a busy
-core only slows its own run). How many: the CPUs this process may use (its
-affinity mask, read off the machine by integration.cpus and passed in), and
-no more than torch's thread count, which a caller may have lowered on
-purpose. One pool serves a whole merge
-(`workers`), not one per tensor.
+core only slows its own run). How many: torch's thread count, which follows
+the process's affinity mask and which a caller may lower on purpose. One pool
+serves a whole merge (`workers`), not one per tensor.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,26 +20,6 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-
-
-def worker_count(device: torch.device, cpus: int | None = None) -> int:
-    """Threads for a chunked walk on `device`: 1 off the CPU (the device
-    parallelises each op), else the CPUs this process may use (`cpus`, which
-    the caller reads off the machine: integration.cpus), at most torch's
-    threads."""
-    if device.type != "cpu":
-        return 1
-    threads = torch.get_num_threads()
-    return max(1, min(cpus or threads, threads))
-
-
-def contiguous_runs(count: int, workers: int) -> list[range]:
-    """range(count) cut into `workers` contiguous runs of near-equal length
-    (fewer when there are fewer items)."""
-    workers = max(1, min(workers, count))
-    return [
-        range(w * count // workers, (w + 1) * count // workers) for w in range(workers)
-    ]
 
 
 class Workers:
@@ -58,13 +36,17 @@ class Workers:
         )
 
     def map(
-        self, work: Callable[[range], T], items: int, device: torch.device
+        self,
+        work: Callable[[torch.Tensor], T],
+        items: torch.Tensor,
+        device: torch.device,
     ) -> list[T]:
-        """`work` on contiguous runs of range(items), one run per worker on
-        CPU (one run elsewhere: the device parallelises each op), with
-        torch's CPU ops on one thread meanwhile (restored after); results in
-        run order."""
-        runs = contiguous_runs(items, self.count if device.type == "cpu" else 1)
+        """`work` on contiguous runs of `items`, one run per worker on CPU
+        (one run elsewhere: the device parallelises each op), with torch's
+        CPU ops on one thread meanwhile (restored after); results in run
+        order."""
+        count = self.count if device.type == "cpu" else 1
+        runs = items.tensor_split(max(1, min(count, len(items))))
         with one_cpu_thread(device):
             others = [self._pool.submit(work, run) for run in runs[1:]]
             try:
@@ -83,14 +65,14 @@ _CURRENT: ContextVar[Workers | None] = ContextVar("mergekit_ram_workers", defaul
 
 
 @contextmanager
-def workers(cpus: int | None = None) -> Iterator[Workers]:
-    """The pool of the merge in progress, or a new one for the block (sized
-    now for `cpus` usable CPUs, closed after) that chunked walks inside it use."""
+def workers() -> Iterator[Workers]:
+    """The pool of the merge in progress, or a new one for the block (one
+    worker per torch thread, closed after) that chunked walks inside it use."""
     pool = _CURRENT.get()
     if pool is not None:
         yield pool
         return
-    pool = Workers(worker_count(torch.device("cpu"), cpus))
+    pool = Workers(torch.get_num_threads())
     token = _CURRENT.set(pool)
     try:
         yield pool
@@ -123,9 +105,9 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
     A chunked walk runs some forty small in-cache operations per chunk;
     splitting each over threads costs more than it saves, and on a busy
     machine, where a woken thread waits for a core, it made a pass several
-    times slower (measured on 2 shared cores). torch keeps the count per OS
-    thread (OpenMP's), so each thread restores its own; a pool's threads
-    take the one in force when they first compute. GPU work is unaffected.
+    times slower. torch keeps the count per OS thread (OpenMP's), so each
+    thread restores its own; a pool's threads take the one in force when
+    they first compute. GPU work is unaffected.
     """
     if device.type != "cpu":
         yield
@@ -142,10 +124,3 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
         _HELD.depth = depth
         if depth == 0 and torch.get_num_threads() != _HELD.saved:
             torch.set_num_threads(_HELD.saved)
-
-
-def run_on(work: Callable[[range], T], items: int, device: torch.device) -> Sequence[T]:
-    """`work` over range(items) in contiguous runs on the current pool (or
-    a pool for this call when no merge opened one)."""
-    with workers() as pool:
-        return pool.map(work, items, device)

@@ -4,7 +4,7 @@ The run_merge wrapper opens a `MergeRun` for the duration of one RAM merge
 (a context variable, so nothing outlives the merge, failed or not); the
 planner hook stores what the statistics pass counted there (`Counted`), and
 the model-card hook and `mergekit-ram merge --report` read it back. The
-survival tally of λ (`core.survival`) lives there too: the planner makes it,
+survival tally of λ (`core.rule`) lives there too: the planner makes it,
 each merge task adds to it, the last task writes it out. Merge tasks may run
 on worker threads (mergekit's --multi-gpu executor), which do not inherit
 the context; they carry their run and bind it with `running`. The run's
@@ -22,9 +22,7 @@ from typing import Any, NamedTuple
 
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics
 from mergekit_ram.core.parallel import Workers, using, workers
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
-from mergekit_ram.integration.cpus import usable_cpus
+from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 
 
 class Counted(NamedTuple):
@@ -80,7 +78,7 @@ def merge_run() -> Iterator[MergeRun]:
     if run is not None:
         yield run
         return
-    with workers(usable_cpus()) as pool:
+    with workers() as pool:
         run = MergeRun(workers=pool)
         token = _CURRENT.set(run)
         try:

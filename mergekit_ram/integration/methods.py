@@ -44,10 +44,8 @@ from mergekit_ram.core.checks import (
 )
 from mergekit_ram.core.counting import OverlapStatistics, TaskCounts
 from mergekit_ram.core.kernel import ram_merge_tensor
-from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.ties import ties_merge_tensor
-from mergekit_ram.core.unique import unique_merge_tensor
+from mergekit_ram.core.modes import ties_merge_tensor, unique_merge_tensor
+from mergekit_ram.core.rule import MergeSettings, ScaleRule
 from mergekit_ram.integration.context import (
     MergeRun,
     current_run,

@@ -41,8 +41,7 @@ from mergekit_ram.core.counting import (
     OverlapStatistics,
     group_tensors,
 )
-from mergekit_ram.core.settings import MergeSettings
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration.checkpoints import safetensors_spans
 from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
 from mergekit_ram.integration.methods import as_ram_task, is_ours

@@ -38,8 +38,7 @@ from mergekit.options import MergeOptions
 from pydantic import ValidationError
 
 from mergekit_ram.core.errors import Problems, RAMInputError
-from mergekit_ram.core.scale import ScaleRule
-from mergekit_ram.core.settings import MergeSettings, unique_scale_error
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, unique_scale_error
 from mergekit_ram.integration.checkpoints import (
     WEIGHT_FILES,
     check_models,

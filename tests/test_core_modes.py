@@ -1,4 +1,5 @@
-"""shared: ties (the authors' arm-ties) against the dense reference."""
+"""shared: ties and shared: base (the authors' arm-ties and arm-unique, the
+paper's Fig. 3) against the dense reference."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import torch
 from conftest import merge_yaml
 from tensors import EPSILON, as_dicts, assert_all_classes, cast, on, sparse_tasks
 
-from mergekit_ram.commands.api import merge_tensors
 from mergekit_ram.core.kernel import change_mask, overlap_counts, task_vector
-from mergekit_ram.core.ties import _trimmed, ties_merge_tensor
+from mergekit_ram.core.modes import _trimmed, ties_merge_tensor, unique_merge_tensor
 
 
 def edge_case() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -132,40 +132,77 @@ def test_random_tensors_equal_reference(dtype, density, on_device):
     assert not torch.equal(got, ram["w"])
 
 
-def test_api_merge_tensors_with_float32_output():
-    base, tasks = sparse_tasks((32, 16), [0.3, 0.4], seed=3)
-    base, tasks = cast(base, tasks, torch.bfloat16)
-    got = merge_tensors(
-        [base, *tasks],
-        "ramplus",
-        parameters={"shared": "ties", "density": 0.2, "unique_scale": 1.2},
-        base_index=0,
-        out_dtype=torch.float32,
-    )
-    want = expected(
-        base, tasks, density=0.2, scales=[1.2, 1.2], out_dtype=torch.float32
-    )
-    assert torch.equal(got, want)
+# --- shared: base -----------------------------------------------------------
+
+THEIRS = [0.0, 1 / 3, 0.0]  # their target_index 1 at their fixed factor 1/3
 
 
-def test_yaml_merge_equals_reference(family_bf16, tmp_path):
-    """ramplus with shared: ties through mergekit's planner: global λ on the
-    unique elements, TIES on the shared ones, written in float32."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [[0.0, 1.0, 0.0], THEIRS, [1.0, 1.0, 1.0]])
+def test_base_mode_equals_reference(dtype, scales, on_device):
+    base, tasks = sparse_tasks((48, 40), [0.2, 0.35, 0.5], seed=11)
+    assert_all_classes(base, tasks)
+    base, tasks = cast(base, tasks, dtype)
+    got = unique_merge_tensor(
+        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales
+    )
+    assert got.device.type == on_device
+    got = got.cpu()
+    b, ts = as_dicts(base, tasks)
+    want, _ = reference.merge(b, ts, shared="base", unique_scale=scales)
+    assert got.dtype == dtype
+    assert torch.equal(got, want["w"])
+
+
+def test_base_mode_moves_only_the_chosen_tasks_unique_elements_move():
+    base = torch.zeros(6)
+    tasks = [
+        torch.tensor([0.3, 0.2, 0.0, 0.0, 5e-6, 0.0]),
+        torch.tensor([0.0, 0.4, 0.6, 0.0, 0.0, 0.0]),
+        torch.tensor([0.0, 0.0, 0.0, 0.9, 0.0, 0.0]),
+    ]
+    got = unique_merge_tensor(base, tasks, epsilon=EPSILON, scales=THEIRS)
+    # Only element 2 is task 1's alone; element 1 is shared (base).
+    assert got.tolist() == pytest.approx([0, 0, 0.2, 0, 0, 0])
+
+
+def test_base_mode_without_shared_elements_is_ram():
+    base = torch.zeros(3)
+    tasks = [torch.tensor([0.3, 0.0, 0.0]), torch.tensor([0.0, 0.5, 0.0])]
+    got = unique_merge_tensor(base, tasks, epsilon=EPSILON, scales=[2.0, 0.0])
+    assert got.tolist() == pytest.approx([0.6, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("shared", ["ties", "base"])
+def test_yaml_merge_equals_reference(shared, family_bf16, tmp_path):
+    """Through mergekit's planner: ramplus with shared: ties (global λ on the
+    unique elements, TIES on the shared ones, written in float32), and ram
+    with shared: base keeping one model's unique changes (Fig. 3)."""
     family = family_bf16
-    settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
-    text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
+    if shared == "ties":
+        settings = {"r": 0.3, "alpha": 1.0, "shared": "ties", "density": 0.2}
+        text = family.yaml("ramplus", parameters=settings, out_dtype="float32")
+        settings["out_dtype"] = written = torch.float32
+        base, tasks = family.state("base"), family.task_states()
+    else:
+        chosen = {n: float(n == family.tasks[1]) for n in family.tasks}
+        text = family.yaml(
+            "ram",
+            parameters={"shared": "base"},
+            model_parameters={n: {"unique_scale": v} for n, v in chosen.items()},
+            dtype="float32",
+            out_dtype="bfloat16",
+        )
+        written = torch.bfloat16
+        settings = {"shared": "base", "unique_scale": list(chosen.values())}
+        settings["out_dtype"] = written
+        base = {k: v.float() for k, v in family.state("base").items()}
+        tasks = [{k: v.float() for k, v in t.items()} for t in family.task_states()]
     out = tmp_path / "out"
     merged = merge_yaml(text, out)
-    want, _ = reference.merge(
-        family.state("base"),
-        family.task_states(),
-        r=0.3,
-        alpha=1.0,
-        shared="ties",
-        density=0.2,
-        out_dtype=torch.float32,
-    )
+    want, _ = reference.merge(base, tasks, **settings)
     assert sorted(merged) == sorted(want)
     for name in want:
-        assert merged[name].dtype == torch.float32
+        assert merged[name].dtype == written
         assert torch.equal(merged[name], want[name]), name
+    assert (out / "ram_statistics.json").exists() == (shared == "ties")

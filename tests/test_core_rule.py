@@ -1,8 +1,10 @@
-"""Does RAM+'s λ survive the output dtype? The kernel's count (`on_rescaled`)
-against the dense reference element by element, and when a tally says the
-rescale was lost."""
+"""core.rule: the RAM+ λ formulas against the spec's, the one-value rule of
+whole-model statistics, and whether λ survives the output dtype (the
+kernel's count against the dense reference, element by element)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import reference
@@ -10,8 +12,79 @@ import torch
 from tensors import EPSILON, as_dicts, cast, on, sparse_tasks
 
 from mergekit_ram.core import kernel
+from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.kernel import ram_merge_tensor
-from mergekit_ram.core.survival import SurvivalTally
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, SurvivalTally, varying_key
+
+COUNTS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (5, 2), (3, 7), (1000, 1)]
+RULES = [
+    ScaleRule(r=r, alpha=alpha, saturation=saturation)
+    for r, alpha, saturation in itertools.product(
+        [0.0, 0.1, 0.5, 3.0], [0.0, 0.5, 1.0, 2.0, 10.0], ["clip", "soft"]
+    )
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_scale_matches_reference(rule):
+    """1 for nothing changed, no shared or r = 0; the limit without unique
+    (bounds and monotony: test_core_kernel_properties)."""
+    for shared, unique in COUNTS:
+        got = rule.scale(shared, unique)
+        expected = reference.lam(
+            shared + unique, shared, unique, rule.r, rule.alpha, rule.saturation
+        )
+        assert got == pytest.approx(expected, rel=1e-14, abs=1e-15)
+    assert rule.scale(0, 0) == rule.scale(0, 5) == 1.0
+    assert rule.scale(7, 0) == rule.limit()
+
+
+def test_clip_and_soft_formulas():
+    rule = ScaleRule(r=0.1, alpha=2.0)
+    assert rule.saturation == "clip" and rule.limit() == pytest.approx(1.2)
+    assert rule.scale(6, 2) == rule.scale(4, 2) == pytest.approx(1 + 0.1 * 2.0)
+    assert rule.scale(3, 2) == pytest.approx(1 + 0.1 * 1.5)  # ρ < α
+    soft = ScaleRule(r=0.5, alpha=0.5, saturation="soft")
+    # Both forms of the spec: 1 + r·ρ/(1+ρ) = 1 + r·S/C; alpha plays no part.
+    assert soft.scale(5, 2) == pytest.approx(1 + 0.5 * 5 / 7, rel=1e-15)
+    assert soft.scale(5, 2) == ScaleRule(0.5, 0.0, "soft").scale(5, 2)
+    assert soft.limit() == 1.5
+    assert soft.scale(10**12, 1) == pytest.approx(soft.limit(), rel=1e-9)
+    with pytest.raises(AttributeError):
+        rule.r = 0.2
+
+
+ONE = {
+    "epsilon": {1e-5},
+    "r": {0.1},
+    "alpha": {2.0},
+    "saturation": {"clip"},
+    "statistics": {"global"},
+}
+
+
+def test_varying_key_under_global_statistics_only():
+    assert varying_key(ONE) is None
+    assert varying_key({**ONE, "epsilon": {1e-5, 1e-4}}) == "epsilon"
+    assert varying_key({**ONE, "alpha": {2.0, 1.0}}) == "alpha"
+    assert varying_key({**ONE, "r": {0.0, 0.1}}) == "r"
+    # r = 0 everywhere (RAM) or statistics: tensor: every tensor stands alone.
+    assert varying_key({**ONE, "r": {0.0}, "epsilon": {1e-5, 1e-4}}) is None
+    assert varying_key({**ONE, "statistics": {"tensor"}, "r": {0.1, 0.2}}) is None
+
+
+def test_from_parameters_names_two_tensors_that_disagree():
+    params = {key: next(iter(values)) for key, values in ONE.items()}
+    per_tensor = [("a", params), ("b", params), ("c", {**params, "alpha": 1.0})]
+    with pytest.raises(
+        RAMInputError, match="'alpha' is 2.0 for tensor a but 1.0 for c"
+    ):
+        MergeSettings.from_parameters(per_tensor)
+    settings = MergeSettings.from_parameters(per_tensor[:2])
+    assert settings.as_dict() == params
+    with pytest.raises(ValueError, match="no tensors"):
+        MergeSettings.from_parameters([])
+
 
 SCALES = [1.002, 1.0, 1.3]  # lost in bf16 on most elements / none / kept on most
 

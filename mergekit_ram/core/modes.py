@@ -1,8 +1,15 @@
-"""Shared-region TIES: the authors' `arm-ties` mode (`shared: ties`).
+"""The authors' modes for the shared elements (c ≥ 2): `shared: ties` and
+`shared: base` (docs/spec.md). Unchanged and unique elements follow RAM
+(unique ones with the task's λ); only the shared elements are replaced.
 
-Unchanged and unique elements follow RAM (unique ones with the task's λ); only
-the shared elements (c ≥ 2) of each tensor are merged differently, by TIES
-restricted to them, exactly as the authors' script does it:
+`shared: base` (their `arm-unique`): every shared element keeps the base's
+value. With the chosen task model's `unique_scale` set to the factor and every
+other task model's to 0, this is the paper's Fig. 3 extraction: one agent's
+unique changes on the base. The overlap counts still come from all task models
+listed, which is what makes an element unique.
+
+`shared: ties` (their `arm-ties`): TIES restricted to the shared elements,
+exactly as the authors' script does it:
 
 - the region has n elements; k = int((1 − density)·n). Task t keeps the
   region's elements where |τ_t·m_t| is at least its k-th smallest |τ_t·m_t|
@@ -16,7 +23,7 @@ Their script also falls back to the RAM mean where trimming keeps nothing
 non-zero in the whole region. That cannot happen: a shared element is changed
 by at least two tasks, so each of them has a non-zero value in the region, and
 its largest magnitude is never below its own k-th smallest. No such branch
-here, and tests/test_core_ties.py checks the argument on its edge cases.
+here, and tests/test_core_modes.py checks the argument on its edge cases.
 
 Memory stays at a few float32 copies of one tensor: τ is recomputed per pass
 rather than stacked.
@@ -24,13 +31,55 @@ rather than stacked.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from mergekit_ram.core.kernel import change_mask, task_vector
-from mergekit_ram.core.unique import ram_then_shared
+from mergekit_ram.core.kernel import (
+    change_mask,
+    overlap_counts,
+    ram_merge_tensor,
+    task_vector,
+)
+
+# (float32 base, mask of the shared elements) -> their values, flat.
+SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ram_then_shared(
+    base: torch.Tensor,
+    tasks: Sequence[torch.Tensor],
+    rule: SharedRule,
+    *,
+    epsilon: float,
+    out_dtype: torch.dtype | None = None,
+    **kernel: Any,
+) -> torch.Tensor:
+    """RAM's merge with the shared elements (c ≥ 2) replaced by `rule`;
+    returns out_dtype (default: base's). Each element is rounded once: RAM's
+    float32 value or the rule's. `kernel` holds ram_merge_tensor's scales,
+    scale_fn and on_rescaled."""
+    merged = ram_merge_tensor(
+        base, tasks, epsilon=epsilon, out_dtype=out_dtype, **kernel
+    )
+    if not tasks:
+        return merged
+    base32 = base.to(dtype=torch.float32)
+    shared = overlap_counts(base32, tasks, epsilon) >= 2
+    if bool(shared.any()):
+        merged[shared] = rule(base32, shared).to(dtype=merged.dtype)
+    return merged
+
+
+def unique_merge_tensor(
+    base: torch.Tensor, tasks: Sequence[torch.Tensor], **options: Any
+) -> torch.Tensor:
+    """RAM with the base's value on shared elements (options as
+    ram_then_shared's)."""
+    return ram_then_shared(
+        base, tasks, lambda base32, shared: base32[shared], **options
+    )
 
 
 def _region_values(
@@ -59,20 +108,16 @@ def ties_shared_delta(
     density: float,
 ) -> torch.Tensor:
     """The TIES delta on the shared elements (flat, in `shared`'s order)."""
-    k = int((1.0 - density) * int(shared.sum()))
-    positive = torch.zeros(int(shared.sum()), device=base32.device)
-    negative = torch.zeros_like(positive)
+    n = int(shared.sum())
+    k = int((1.0 - density) * n)
+    positive, negative, total, kept_count = torch.zeros((4, n), device=base32.device)
     for task in tasks:
         kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
         positive += kept.clamp(min=0)
         negative += (-kept).clamp(min=0)
-    total = torch.zeros_like(positive)
-    kept_count = torch.zeros_like(positive)
     for task in tasks:
         kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
-        agree = ((kept > 0) & (positive > negative)) | (
-            (kept < 0) & (negative > positive)
-        )
+        agree = (kept > 0) & (positive > negative) | (kept < 0) & (negative > positive)
         total += torch.where(agree, kept, 0.0)
         kept_count += agree
     return total / kept_count.clamp(min=1)
@@ -87,7 +132,7 @@ def ties_merge_tensor(
     **options: Any,
 ) -> torch.Tensor:
     """RAM with shared-region TIES on the shared elements (other options as
-    unique.ram_then_shared's); the float32 result rounded once."""
+    ram_then_shared's); the float32 result rounded once."""
 
     def rule(base32: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         return base32[shared] + ties_shared_delta(
