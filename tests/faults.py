@@ -58,6 +58,15 @@ def long_path(root: Path, length: int) -> Path:
     return Path(path)
 
 
+def default_signals() -> None:
+    """A signalled child's SIGINT, SIGTERM and SIGHUP as a terminal starts it
+    (Python then raises KeyboardInterrupt on Ctrl-C), whatever this process
+    ignores (`nohup bash scripts/test.sh &` ignores SIGINT and SIGHUP): else
+    the child ignores the signal and the test waits for its timeout."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def check_exit(how: str, code: int, state: str, output: str) -> None:
     """A signal other than SIGKILL: one line that says truly where OUT stands."""
     assert code in EXITS[how], (how, code, output)
@@ -164,6 +173,7 @@ def run_interrupted(
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
+        preexec_fn=default_signals,
         env={
             **os.environ,
             "HF_HUB_OFFLINE": "1",

@@ -562,7 +562,6 @@ def hostile_manifests(out: Path) -> dict[str, object]:
         "a symlink",
         "a fifo",
         "huge",
-        "the previous release's, malformed",
     ],
 )
 def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
@@ -583,9 +582,6 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
         os.symlink(tmp_path / "theirs.json", path)
     elif hostile == "a fifo":  # opening it to read would block
         os.mkfifo(path)
-    elif hostile == "the previous release's, malformed":
-        files = {"notes.txt": 5, "frozen.txt": ["file", "9", 1], "../x": ["file"]}
-        path.write_text(json.dumps({"format": "mergekit-ram publish", "files": files}))
     else:
         with open(path, "wb") as handle:
             handle.truncate(output_folder.LIMIT + 1)
@@ -596,16 +592,6 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
     assert (tmp_path / "outside.txt").read_text() == "outside"
     assert (previous / "config.json").read_text() == "new config"
     assert ours_left(previous) == []
-
-
-def test_the_previous_releases_manifest_still_names_its_merge(previous, tmp_path):
-    """A merge published by the journal release: its manifest (a dict of
-    [kind, size, mtime]) is read, so its shards go."""
-    files = {name: ["file", size, mtime] for name, size, mtime in manifest(previous)}
-    document = {"format": "mergekit-ram publish", "version": 1, "files": files}
-    (previous / STATE / MANIFEST).write_text(json.dumps(document))
-    staged_merge(str(previous), writer(NEW))
-    assert tree(previous) == expected(NEW, tmp_path / "want")
 
 
 @pytest.mark.parametrize("inside", [False, True, "a file"])
