@@ -157,13 +157,6 @@ def test_a_failed_rerun_leaves_the_previous_merge_byte_for_byte(
     }
 
 
-def test_a_failed_first_merge_leaves_nothing_that_loads(family, poisoned, tmp_path):
-    config = with_model(family.config_dict("ram"), family, "beta", poisoned)
-    with pytest.raises(RAMInputError, match="NaN"):
-        merge(config, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_reruns_leave_exactly_their_merge_and_the_users_files(family, tmp_path):
     """Stale shards and the old tokenizer go; the user's notes, README (with
     --no-write-model-card) and tokenizer_notes.md stay."""
