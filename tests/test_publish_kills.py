@@ -172,22 +172,30 @@ folder.staged_merge(sys.argv[2], write)
 """
 
 
-def test_the_first_of_two_signals_names_the_exit(previous, tmp_path):
+def nohup() -> None:
+    default_signals()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("started", [default_signals, nohup])
+def test_the_first_of_two_signals_names_the_exit(previous, started):
     """SIGHUP then SIGTERM 5 ms apart (a closing terminal, then its
-    session's manager): one line naming SIGHUP, exit 129, staging removed."""
+    session's manager): one line naming SIGHUP, exit 129, staging removed;
+    under `nohup` SIGHUP stays ignored and SIGTERM ends the run."""
     before = tree(previous)
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITING, output_folder.__file__, str(previous)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=default_signals,
+        preexec_fn=started,
     )
     assert proc.stdout.readline().strip() == "WRITING"
     proc.send_signal(signal.SIGHUP)
     time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGHUP, err
-    assert err == f"mergekit-ram: SIGHUP: {previous} is as it was.\n"
+    first = signal.SIGTERM if started is nohup else signal.SIGHUP
+    assert proc.returncode == 128 + first, err
+    assert err == f"mergekit-ram: {first.name}: {previous} is as it was.\n"
     assert tree(previous) == before and ours_left(previous) == []

@@ -217,7 +217,8 @@ def test_files_written_into_out_during_the_merge_and_publish_survive(
 
 
 @pytest.mark.parametrize(
-    "hostile", ["names the user's files", "leads elsewhere", "garbage", "a symlink"]
+    "hostile",
+    ["names the user's files", "leads elsewhere", "garbage", "a symlink", "a fifo"],
 )
 def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
     """From a clone or a copy: anything malformed counts as no manifest, a
@@ -230,6 +231,8 @@ def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
     names = ("../outside.txt", "/etc/hostname", "eval/scores.csv", "..")
     if hostile == "garbage":
         path.write_bytes(b"\x00{not json")
+    elif hostile == "a fifo":  # opening it to read would block
+        os.mkfifo(path)
     elif hostile == "a symlink":
         (tmp_path / "theirs.json").write_text(json.dumps({"files": []}))
         os.symlink(tmp_path / "theirs.json", path)
