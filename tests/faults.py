@@ -9,17 +9,23 @@ thread of a merge and Python then handles it in the main thread), waits
 until it is delivered (the wakeup fd), so that the step itself never runs.
 Step 0 never interrupts: the child prints how many steps its run took.
 
-Also the helpers every publishing test shares: what of ours is left in OUT,
-and OUT's files without our folder.
+Also what every publishing test shares: a stand-in merge that writes a few
+files, OUT holding a user's files (notes, a `.git`, a link, a read-only
+file), what of ours is left in OUT.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
+
+from mergekit_ram.integration.output_folder import staged_merge
 
 TIMEOUT = 300
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
@@ -34,6 +40,95 @@ MANIFEST = "manifest.json"  # what a finished run leaves there: the manifest,
 GITIGNORE = ".gitignore"  # and a .gitignore that keeps our folder out of git
 # What the line a signal ends the run with says, for each state OUT is in.
 SAID = {"old": "is as it was", "new": "holds the new merge", "half": "has no config"}
+
+
+OLD = {
+    "config.json": "old config",
+    "mergekit_config.yml": "old recipe",
+    "model-00001-of-00002.safetensors": "old shard 1",
+    "model-00002-of-00002.safetensors": "old shard 2",
+    "model.safetensors.index.json": "old index",
+    "README.md": "old card",
+    "tokenizer.json": "old tokenizer",
+}
+NEW = {
+    "config.json": "new config",
+    "mergekit_config.yml": "new recipe",
+    "model.safetensors": "new weights",
+    "README.md": "new card",
+}
+NEWER = {**NEW, "model.safetensors": "newer weights"}
+USER = ("notes.txt", "eval", "latest", ".git", "frozen.txt")
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Every entry under folder but our own: sha256 of files, link targets,
+    'dir' (with a read-only mark), never following a link."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if name.split(os.sep)[0] == STATE:
+            continue
+        if path.is_symlink():
+            found[name] = "-> " + os.readlink(path)
+        elif path.is_dir():
+            found[name] = "dir"
+        else:
+            mode = "ro " if not os.stat(path).st_mode & stat.S_IWUSR else ""
+            found[name] = mode + hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def writer(files: dict[str, str]):
+    """A stand-in for mergekit: writes `files` into the staged folder."""
+
+    def write(staged: str) -> None:
+        for name, text in files.items():
+            Path(staged, name).write_text(text)
+
+    return write
+
+
+def failing(staged: str) -> None:
+    """A stand-in merge that fails: a full disk while it writes a shard."""
+    Path(staged, "model-1.safetensors").write_text("partial")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "model-1.safetensors")
+
+
+def with_user_files(out: Path) -> None:
+    """What a user keeps next to a model: notes, results, a link, a git
+    clone's `.git`, a file only they may write."""
+    (out / "notes.txt").write_text("mine")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.csv").write_text("1,2")
+    os.symlink("notes.txt", out / "latest")
+    (out / ".git" / "objects" / "ab").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    (out / ".git" / "objects" / "ab" / "cdef").write_bytes(b"\x78\x01blob")
+    (out / "frozen.txt").write_text("read-only")
+    (out / "frozen.txt").chmod(0o444)
+
+
+def user_tree(out: Path) -> dict[str, str]:
+    return {k: v for k, v in tree(out).items() if k.split(os.sep)[0] in USER}
+
+
+def expected(files: dict[str, str], root: Path, user: bool = True) -> dict[str, str]:
+    """tree() of a folder holding exactly `files` (and the user's files)."""
+    root.mkdir()
+    writer(files)(str(root))
+    if user:
+        with_user_files(root)
+    return tree(root)
+
+
+def make_previous(tmp_path: Path) -> Path:
+    """OUT holding the user's files and a previous (sharded) merge we published."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with_user_files(out)
+    staged_merge(str(out), writer(OLD))
+    return out
 
 
 def ours_left(out: Path) -> list[str]:
@@ -58,6 +153,15 @@ def long_path(root: Path, length: int) -> Path:
     return Path(path)
 
 
+def default_signals() -> None:
+    """A signalled child's SIGINT, SIGTERM and SIGHUP as a terminal starts it
+    (Python then raises KeyboardInterrupt on Ctrl-C), whatever this process
+    ignores (`nohup bash scripts/test.sh &` ignores SIGINT and SIGHUP): else
+    the child ignores the signal and the test waits for its timeout."""
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def check_exit(how: str, code: int, state: str, output: str) -> None:
     """A signal other than SIGKILL: one line that says truly where OUT stands."""
     assert code in EXITS[how], (how, code, output)
@@ -77,11 +181,6 @@ if mode == "protocol":  # output_folder alone, loaded by path: starts in a blink
     spec.loader.exec_module(folder)
 else:
     import mergekit_ram.integration.output_folder as folder
-
-if os.environ.get("FAULT_HOSTNAME"):  # every container run has a new one
-    import socket
-
-    socket.gethostname = lambda: os.environ["FAULT_HOSTNAME"]
 
 STEPS = (
     "mkdir", "makedirs", "rename", "replace", "link", "symlink", "unlink", "rmdir",
@@ -164,6 +263,7 @@ def run_interrupted(
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
+        preexec_fn=default_signals,
         env={
             **os.environ,
             "HF_HUB_OFFLINE": "1",

@@ -1,4 +1,4 @@
-"""Publishing a merge into OUT: stage, rename, done.
+"""Publishing a merge into OUT: lock, stage, rename, (name, size, mtime) manifest.
 
 OUT is the user's folder (a clone with its `.git`, notes, a mount, files
 another program writes). A merge owns the files it writes and nothing else.
@@ -20,6 +20,11 @@ leaves the old merge, the new one, or (inside the renames) a folder without
 config.json whose files of ours the manifest names: the next publish removes
 them. No file is taken for a merge's by its name, and our state in OUT is
 untrusted input: plain names, a bounded read, no link followed.
+
+SIGTERM (`timeout`, Slurm, `docker stop`) and SIGHUP (a closed terminal)
+end a run as Ctrl-C does, wherever it is: nothing is held, so it unwinds
+(staging removed, one line saying where OUT stands) and exits with 128 + the
+signal's number. A signal the caller ignores (`nohup`) stays ignored.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import errno
 import json
 import os
 import shutil
+import signal
 import stat
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
@@ -38,12 +45,19 @@ from safetensors import SafetensorError
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
-from mergekit_ram.integration.interrupts import Interrupted, raised, signal_name
 
-STATE, STAGED, MERGE = ".mergekit-ram", "staged", "merge"  # MERGE: short, always
-MANIFEST, LOCK, CONFIG = "manifest.json", "lock", "config.json"
+STATE, MANIFEST, LOCK, CONFIG = ".mergekit-ram", "manifest.json", "lock", "config.json"
+STAGED, MERGE = "staged", "merge"  # short: every file's path grows by these
+LONGEST = len("model-00001-of-00002.safetensors")  # the longest name mergekit writes
 FORMAT = {"format": "mergekit-ram manifest", "version": 2}
 LIMIT = 16 << 20  # bytes: a manifest of ours is far smaller
+# A copy (`cp -a`) onto a coarser file system truncates the mtime (ns) to its
+# grain: 100 ns (NTFS, SMB), 1 µs, 1 s (ext4 with 128-byte inodes, many
+# network file systems), 2 s (FAT). Such an mtime still matches its entry.
+GRAINS = (1, 100, 1_000, 10**9, 2 * 10**9)
+SIGNALS = [
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)
+]
 AS_IT_WAS, NEW = "is as it was", "holds the new merge"
 HALF = (
     "has no config.json, so no loader takes it for a model: it holds what is "
@@ -54,6 +68,14 @@ HALF = (
 
 class OutputError(RAMInputError):
     """An output folder a merge must not write into, or one that is busy."""
+
+
+class Interrupted(SystemExit):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, exits with 128 + its number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def resolve_output(out: str, role: str = "output folder") -> str:
@@ -115,34 +137,39 @@ def _identity(path: str) -> tuple[int, int] | None:
     """(size, mtime) of the regular file at path (a link is not followed)."""
     with suppress(OSError):
         found = os.lstat(path)
-        return (
-            (found.st_size, found.st_mtime_ns) if stat.S_ISREG(found.st_mode) else None
-        )
+        if stat.S_ISREG(found.st_mode):
+            return found.st_size, found.st_mtime_ns
     return None
+
+
+def _entry(entry: object) -> bool:
+    """[name, size, mtime]: a plain name of a file directly in OUT, two ints."""
+    name = entry[0] if isinstance(entry, list) and len(entry) == 3 else None
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", STATE)
+        and not set(name) & set("/\\\0")
+        and all(type(value) is int for value in entry[1:])
+    )
+
+
+def _same(target: str, name: str, size: int, mtime: int) -> bool:
+    """The file `name` in OUT is as recorded (an mtime that a coarser file
+    system truncated included)."""
+    now = _identity(os.path.join(target, name))
+    return (
+        bool(now) and now[0] == size and now[1] in {mtime - mtime % g for g in GRAINS}
+    )
 
 
 def _recorded(target: str) -> list[tuple[str, int, int]]:
     """The manifest's entries whose file in OUT is still as recorded; a
-    manifest not wholly well-formed counts as none. Entries name one file
-    directly in OUT (nothing that leads elsewhere). The previous release's
-    manifest, a dict of [kind, size, mtime], is read too."""
+    manifest not wholly well-formed counts as none."""
     document = plain_json(os.path.join(target, STATE, MANIFEST), LIMIT) or {}
-    files = document.get("files")
-    if document.get("format") == "mergekit-ram publish" and isinstance(files, dict):
-        old = files.items()
-        files = [
-            [n, *v[1:]] for n, v in old if isinstance(v, list) and v[:1] == ["file"]
-        ]
-    elif not FORMAT.items() <= document.items() or not isinstance(files, list):
+    files = document.get("files") if FORMAT.items() <= document.items() else None
+    if not isinstance(files, list) or not all(map(_entry, files)):
         return []
-    for entry in files:
-        name = entry[0] if isinstance(entry, list) and len(entry) == 3 else None
-        if not isinstance(name, str) or name in ("", ".", "..", STATE):
-            return []
-        if set(name) & set("/\\\0") or {type(v) for v in entry[1:]} != {int}:
-            return []
-    found = [(n, size, mtime) for n, size, mtime in files]
-    return [e for e in found if _identity(os.path.join(target, e[0])) == e[1:]]
+    return [(name, *rest) for name, *rest in files if _same(target, name, *rest)]
 
 
 def _in_the_way(target: str, ours: set[str], written: set[str]) -> list[str]:
@@ -177,9 +204,8 @@ def _fsync(path: str) -> None:
 
 
 def _write_manifest(target: str, entries: list) -> None:
-    """Write the manifest durably: a temporary file in the staging, fsynced,
-    renamed into place, the folder fsynced; and a `.gitignore` of `*` (OUT
-    may be a git clone: our folder stays out of a commit)."""
+    """Write the manifest durably (through the staging, fsynced, renamed
+    into place) and a `.gitignore` of `*`: a git clone leaves our folder out."""
     state = os.path.join(target, STATE)
     for name, text in (
         (MANIFEST, json.dumps({**FORMAT, "files": entries})),
@@ -216,9 +242,7 @@ def _publish(target: str, out: str, ours: list, progress: dict) -> None:
     if CONFIG in written and os.path.lexists(config):
         os.unlink(config)  # OUT loads as no model until the new one is in
     for name, *identity in ours:
-        if name not in written and _identity(os.path.join(target, name)) == tuple(
-            identity
-        ):
+        if name not in written and _same(target, name, *identity):
             os.unlink(os.path.join(target, name))
     for name in names:
         os.replace(os.path.join(merge, name), os.path.join(target, name))
@@ -248,9 +272,10 @@ def _clear(path: str) -> None:
 
 @contextmanager
 def _locked(target: str, out: str) -> Iterator[None]:
-    """Hold OUT/.mergekit-ram/lock (filelock: flock, LockFileEx on Windows;
-    the OS drops it when the holder dies); busy fails at once. On the way out
-    the lock file goes while still held, our folder too if nothing is left."""
+    """Hold OUT/.mergekit-ram/lock (the OS drops it when the holder dies);
+    busy fails at once. Our folder or lock as a link is refused (an older
+    filelock would follow it). On the way out the lock file goes while still
+    held, our folder too if nothing is left."""
     state, lock = os.path.join(target, STATE), os.path.join(target, STATE, LOCK)
     with suppress(FileExistsError):
         os.mkdir(state)
@@ -262,43 +287,64 @@ def _locked(target: str, out: str) -> Iterator[None]:
                     "not make (a link, a pipe, or not a folder). Remove it, then "
                     "run the merge again."
                 )
-    held = FileLock(lock, blocking=False)
     try:
-        held.acquire()
+        held = FileLock(lock, blocking=False).acquire()
     except Timeout as error:
         raise OutputError(
             f"Another merge is writing into {out} right now (it holds {lock}). "
             "Wait for it to finish, or choose another output folder."
         ) from error
+    with held:
+        try:
+            yield
+        finally:
+            for remove, path in ((os.unlink, lock), (os.rmdir, state)):
+                with suppress(OSError):
+                    remove(path)
+
+
+@contextmanager
+def _signals() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGHUP Interrupted, in
+    the main thread (elsewhere no handler can be set). The first signal
+    names the exit: later ones are ignored while the run unwinds, and after
+    SIGTERM / SIGHUP while the process ends. Ignored signals stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: object) -> None:
+        for handled in previous:
+            signal.signal(handled, signal.SIG_IGN)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+
+    previous = {
+        signum: signal.signal(signum, interrupt)
+        for signum in SIGNALS
+        if signal.getsignal(signum) not in (signal.SIG_IGN, None)
+    }
+    ending = False
     try:
         yield
+    except Interrupted:
+        ending = True
+        raise
     finally:
-        for remove, path in ((os.unlink, lock), (os.rmdir, state)):
-            with suppress(OSError):
-                remove(path)
-        held.release()
+        for signum, handler in previous.items():
+            if not ending or signum == signal.SIGINT:
+                signal.signal(signum, handler)
 
 
-def _io_error(error: BaseException) -> bool:
-    """safetensors reports a failed write (a full disk, a file gone) as a
-    SafetensorError saying "I/O error", not as an OSError."""
-    return isinstance(error, SafetensorError) and "I/O error" in str(error)
-
-
-def _reason(error: BaseException) -> str:
-    """The OS's reason, with the path where the OS names one."""
+def _reason(error: BaseException) -> str | None:
+    """The OS's reason (with the path it names) where the user's environment
+    stopped the run: an OSError, or safetensors' "I/O error" (a full disk)."""
     if isinstance(error, OSError) and error.strerror:
         return error.strerror + (f" ({error.filename})" if error.filename else "")
-    return str(error).split("I/O error: ", 1)[-1]
-
-
-def _missing_folders(path: str) -> list[str]:
-    """path and its missing parents, outermost first (removed if the run fails)."""
-    missing = []
-    while not os.path.lexists(path) and path != os.path.dirname(path):
-        missing.insert(0, path)
-        path = os.path.dirname(path)
-    return missing
+    if isinstance(error, OSError) or (
+        isinstance(error, SafetensorError) and "I/O error" in str(error)
+    ):
+        return str(error).split("I/O error: ", 1)[-1]
+    return None
 
 
 def staged_merge(
@@ -310,18 +356,30 @@ def staged_merge(
 
     Under OUT's lock: leftover staging removed, `check()`, a weight file in
     the way of every layout refused, write, publish. Whatever fails, the
-    staging goes, folders this run made go while empty, and the error says
-    where OUT stands: a RAMInputError as it is, any other Exception (but an
-    AssertionError) as an OutputError naming it, Ctrl-C, SIGTERM and SIGHUP
-    with one line.
+    staging goes, folders this run made go while empty, and one line or
+    error says where OUT stands: a RAMInputError as it is, the environment
+    (an OSError) as an OutputError naming the OS's reason; anything else
+    (Ctrl-C, SIGTERM, SIGHUP, a bug) after one line, as it is.
     """
     target = resolve_output(out_path)
-    made, progress = _missing_folders(target), {}
-    try:
-        with raised():
+    staging = os.path.join(target, STATE, STAGED)
+    limit = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 0
+    longest = len(os.path.join(staging, MERGE, "m" * LONGEST))  # + NUL < limit
+    if limit and longest >= limit:
+        raise OutputError(
+            f"The output folder path {out_path} is too long: the merge is staged "
+            f"in {os.path.join(STATE, STAGED, MERGE)} inside it, where a file's "
+            f"path ({longest} characters) must stay below the system's limit of "
+            f"{limit}. Choose a path {longest - limit + 1} characters shorter."
+        )
+    made, progress, parent = [], {}, target
+    while not os.path.lexists(parent):  # removed again if the run fails
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    with _signals():
+        try:
             os.makedirs(target, exist_ok=True)
             with _locked(target, out_path):
-                staging = os.path.join(target, STATE, STAGED)
                 _clear(staging)
                 check()
                 ours = _recorded(target)
@@ -335,28 +393,27 @@ def staged_merge(
                     _publish(target, out_path, ours, progress)
                 finally:
                     _clear(staging)
-    except BaseException as error:
-        where = _where(target, progress)
-        for folder in reversed(made):
-            with suppress(OSError):
-                os.rmdir(folder)
-        if isinstance(error, RAMInputError):
-            raise  # the user's input: it says so already
-        if isinstance(error, OSError) or _io_error(error):  # the user's environment
-            raise OutputError(
-                f"The merge into {out_path} stopped: {_reason(error)}; {out_path} "
-                f"{where}. Fix that (free space, permissions, a read-only mount), "
-                "then run the merge again."
-            ) from error
-        # Ctrl-C, SIGTERM, SIGHUP, or a bug of ours: one line on where OUT
-        # stands, then the original exception (a bug keeps its traceback).
-        if isinstance(error, (KeyboardInterrupt, Interrupted)):
-            print(
-                f"mergekit-ram: {signal_name(error)}: {out_path} {where}.",
-                file=sys.stderr,
-            )
-        elif isinstance(error, Exception):
-            print(
-                f"mergekit-ram: the merge stopped: {out_path} {where}.", file=sys.stderr
-            )
-        raise
+        except BaseException as error:
+            where = _where(target, progress)
+            for folder in made:
+                with suppress(OSError):
+                    os.rmdir(folder)
+            if isinstance(error, RAMInputError):
+                raise  # the user's input: it says so already
+            reason = _reason(error)
+            if reason is not None:  # the user's environment
+                raise OutputError(
+                    f"The merge into {out_path} stopped: {reason}; {out_path} "
+                    f"{where}. Fix that (free space, permissions, a read-only "
+                    "mount), then run the merge again."
+                ) from error
+            if isinstance(error, KeyboardInterrupt):
+                said = "Ctrl-C"
+            elif isinstance(error, Interrupted):
+                said = signal.Signals(error.signum).name
+            elif isinstance(error, Exception):  # a bug of ours: its traceback follows
+                said = "the merge stopped"
+            else:
+                raise
+            print(f"mergekit-ram: {said}: {out_path} {where}.", file=sys.stderr)
+            raise

@@ -1,0 +1,381 @@
+"""A merge touches only its own files: OUT is the user's folder (notes, a
+`.git`, a link, a read-only file, a mount, another program writing), and our
+state in it is untrusted input. The protocol with a stand-in for mergekit
+(faults.writer); whole merges in test_publish_merges.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from faults import (
+    MANIFEST,
+    NEW,
+    NEWER,
+    OLD,
+    STATE,
+    expected,
+    failing,
+    long_path,
+    make_previous,
+    ours_left,
+    tree,
+    user_tree,
+    with_user_files,
+    writer,
+)
+
+import mergekit_ram.integration.output_folder as output_folder
+from mergekit_ram.integration.output_folder import OutputError, staged_merge
+
+
+@pytest.fixture
+def previous(tmp_path) -> Path:
+    return make_previous(tmp_path)
+
+
+def manifest(out: Path) -> list:
+    return json.loads((out / STATE / MANIFEST).read_text())["files"]
+
+
+def test_publish_replaces_the_old_merge_and_keeps_user_files(previous, tmp_path):
+    """The old merge's shards, index and tokenizer go; the user's files stay
+    byte for byte; only the manifest (and its .gitignore) is left of ours."""
+    staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == expected(NEW, tmp_path / "want")
+    assert sorted(name for name, *_ in manifest(previous)) == sorted(NEW)
+    assert ours_left(previous) == []
+
+
+def test_a_git_clone_as_out_commits_only_the_merge(previous):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    shutil.rmtree(previous / ".git")
+    git = ["git", "-C", str(previous), "-c", "user.name=u", "-c", "user.email=u@x"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    staged_merge(str(previous), writer(NEW))
+    subprocess.run([*git, "add", "-A"], check=True)
+    listed = subprocess.run(
+        [*git, "ls-files"], check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert "config.json" in listed and not [n for n in listed if STATE in n]
+
+
+def test_no_file_is_taken_for_a_merges_by_its_name(previous, tmp_path):
+    """A file the user changed since the merge wrote it is theirs; a .bin the
+    user put beside a stock merge (no manifest) stays; same-named files are
+    replaced, as stock mergekit replaces them."""
+    (previous / "tokenizer.json").write_text("my own tokenizer now")
+    staged_merge(str(previous), writer(NEW))
+    assert (previous / "tokenizer.json").read_text() == "my own tokenizer now"
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    writer({**NEW, "pytorch_model.bin": "the user's own model"})(str(stock))
+    staged_merge(str(stock), writer(NEWER))
+    assert tree(stock) == {
+        **expected(NEWER, tmp_path / "want", user=False),
+        "pytorch_model.bin": tree(stock)["pytorch_model.bin"],
+    }
+
+
+def test_a_manifest_copied_with_its_mtimes_to_a_coarser_file_system_counts(
+    previous, tmp_path
+):
+    """`cp -a` onto ext4 with 128-byte inodes keeps whole seconds, FAT two:
+    the old merge is still ours, so its shards and index go."""
+    for name, _size, mtime in manifest(previous):
+        grain = 2 * 10**9 if name.startswith("model-") else 10**9
+        os.utime(previous / name, ns=(mtime, mtime - mtime % grain))
+    staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == expected(NEW, tmp_path / "want")
+
+
+def test_a_weight_file_in_the_way_is_refused_never_deleted(tmp_path):
+    """Weights a loader would take instead of the merge's (the user's
+    model.safetensors beside a sharded merge, a stock index beside a single
+    file) are refused by name before anything is published; in the way of
+    every layout, before merging."""
+    out = tmp_path / "out"
+    staged_merge(str(out), writer(NEW))
+    (out / "model.safetensors").write_text("the user's fine-tune, longer")
+    before = tree(out)
+    with pytest.raises(OutputError, match="holds model.safetensors, which no merge"):
+        staged_merge(str(out), writer(OLD))
+    assert tree(out) == before and ours_left(out) == []
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    writer(OLD)(str(stock))
+    with pytest.raises(OutputError, match="holds model.safetensors.index.json"):
+        staged_merge(str(stock), writer(NEW))
+    staged_merge(str(stock), writer(OLD))  # the same layout replaces each by name
+    both = tmp_path / "both"
+    both.mkdir()
+    writer({"model.safetensors": "a", "model.safetensors.index.json": "b"})(str(both))
+    called, before = [], tree(both)
+    with pytest.raises(OutputError, match="model.safetensors, model.safetensors.i"):
+        staged_merge(str(both), called.append)
+    assert not called and tree(both) == before
+
+
+def test_a_folder_where_the_merge_writes_a_file_is_refused(previous):
+    (previous / "README.md").unlink()
+    (previous / "README.md").mkdir()
+    (previous / "README.md" / "mine.txt").write_text("mine")
+    before = tree(previous)
+    with pytest.raises(OutputError, match="holds a folder named README.md"):
+        staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == before and ours_left(previous) == []
+
+
+@pytest.mark.parametrize("where", ["new", "parents", "empty", "previous"])
+def test_a_failed_merge_leaves_out_as_it_was(tmp_path, where):
+    """Folders the run made go; a user's (empty, mode 2770) or a previous
+    merge stays, manifest included; the error names the OS's reason."""
+    out = tmp_path / ("a/b/out" if where == "parents" else "out")
+    if where == "empty":
+        out.mkdir()
+        out.chmod(0o2770)
+    elif where == "previous":
+        out.mkdir()
+        with_user_files(out)
+        staged_merge(str(out), writer(OLD))
+    before = tree(tmp_path), (out / STATE / MANIFEST).exists() and manifest(out)
+    with pytest.raises(OutputError, match="No space left on device.* is as it was"):
+        staged_merge(str(out), failing)
+    assert (tree(tmp_path), (out / STATE / MANIFEST).exists() and manifest(out)) == (
+        before
+    )
+    assert not out.exists() or ours_left(out) == []
+
+
+def test_long_odd_names_and_a_symlinked_out(previous, tmp_path):
+    out = tmp_path / ("m é$ 'x\"" + "m" * 230)
+    previous.rename(out)
+    os.symlink(out, tmp_path / "link")
+    user = user_tree(out)
+    staged_merge(str(tmp_path / "link"), writer(NEW))
+    assert (tmp_path / "link").is_symlink() and user_tree(out) == user
+    assert tree(out) == expected(NEW, tmp_path / "want") and ours_left(out) == []
+
+
+def test_the_longest_out_path_is_the_systems_limit_less_the_staging(tmp_path):
+    """Stock mergekit writes OUT/name; we stage in OUT/.mergekit-ram/staged/
+    merge/name, 27 characters more: a longer OUT is refused before anything
+    with the exact limit."""
+    limit = (
+        os.pathconf("/", "PC_PATH_MAX") - 1 - len("/model-00001-of-00002.safetensors")
+    )
+    longest = limit - len("/.mergekit-ram/staged/merge")
+    out = long_path(tmp_path, longest)
+    staged_merge(str(out), writer({**NEW, "model-00001-of-00002.safetensors": "w"}))
+    assert (out / "config.json").read_text() == NEW["config.json"]
+    out = long_path(tmp_path / "x", limit)  # stock mergekit merges into this
+    called = []
+    with pytest.raises(
+        OutputError, match="is too long.* 4096. Choose a path 27 characters shorter"
+    ):
+        staged_merge(str(out), called.append)
+    assert not called and not out.exists()
+
+
+def test_files_written_into_out_during_the_merge_and_publish_survive(
+    previous, tmp_path
+):
+    """Another program writes OUT/logs/N.txt every 2 ms throughout."""
+    stop = tmp_path / "stop"
+    program = (
+        "import os, sys, time\nout, stop = sys.argv[1], sys.argv[2]\nn = 0\n"
+        "os.makedirs(os.path.join(out, 'logs'))\nwhile not os.path.exists(stop):\n"
+        "    open(os.path.join(out, 'logs', f'{n}.txt'), 'w').write(str(n))\n"
+        "    n += 1\n    time.sleep(0.002)\nprint(n)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", program, str(previous), str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for files in (NEW, NEWER, NEW):
+            staged_merge(
+                str(previous), lambda s, f=files: time.sleep(0.1) or writer(f)(s)
+            )
+    finally:
+        stop.touch()
+        written = int(proc.communicate(timeout=60)[0])
+    logs = sorted(os.listdir(previous / "logs"), key=lambda n: int(n.split(".")[0]))
+    assert written > 20 and logs == [f"{n}.txt" for n in range(written)]
+
+
+# --- our state in OUT is untrusted input -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ["names the user's files", "leads elsewhere", "garbage", "a symlink", "a fifo"],
+)
+def test_a_hostile_manifest_costs_no_user_file(previous, tmp_path, hostile):
+    """From a clone or a copy: anything malformed counts as no manifest, a
+    link is not followed, an entry never leads out of OUT."""
+    (tmp_path / "outside.txt").write_text("outside")
+    path = previous / STATE / MANIFEST
+    path.unlink()
+    notes = os.lstat(previous / "notes.txt")
+    wrong = [notes.st_size, notes.st_mtime_ns + 1]
+    names = ("../outside.txt", "/etc/hostname", "eval/scores.csv", "..")
+    if hostile == "garbage":
+        path.write_bytes(b"\x00{not json")
+    elif hostile == "a fifo":  # opening it to read would block
+        os.mkfifo(path)
+    elif hostile == "a symlink":
+        (tmp_path / "theirs.json").write_text(json.dumps({"files": []}))
+        os.symlink(tmp_path / "theirs.json", path)
+    else:
+        files = [[n, *wrong] for n in names]
+        if hostile == "names the user's files":
+            files = [["notes.txt", *wrong], [".git", 4096, 0], ["x", 1, True]]
+        path.write_text(json.dumps({**output_folder.FORMAT, "files": files}))
+    user = user_tree(previous)
+    staged_merge(str(previous), writer({**OLD, "config.json": "new config"}))
+    assert user_tree(previous) == user
+    assert (tmp_path / "outside.txt").read_text() == "outside"
+    assert (previous / "config.json").read_text() == "new config"
+    assert ours_left(previous) == []
+
+
+@pytest.mark.parametrize(
+    "what", ["folder as a link", "folder as a file", "lock as a link", "lock as a pipe"]
+)
+def test_our_folder_or_lock_not_as_we_make_it_is_refused(previous, tmp_path, what):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "theirs.txt").write_text("theirs")
+    if what.startswith("folder"):
+        shutil.rmtree(previous / STATE)
+    path = previous / STATE / ("lock" if what.startswith("lock") else "")
+    if what.endswith("link"):
+        os.symlink(tmp_path / "elsewhere" / "theirs.txt", path)
+    elif what.endswith("pipe"):
+        os.mkfifo(path)
+    else:
+        path.write_text("not ours")
+    before, elsewhere = tree(previous), tree(tmp_path / "elsewhere")
+    with pytest.raises(OutputError, match="which mergekit-ram did not make"):
+        staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == before and tree(tmp_path / "elsewhere") == elsewhere
+
+
+@pytest.mark.parametrize("inside", [False, True, "a file"])
+def test_leftover_staging_with_links_is_removed_not_followed(
+    previous, tmp_path, inside
+):
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "precious.txt").write_text("precious")
+    staging = previous / STATE / "staged"
+    if inside == "a file":
+        staging.write_text("a killed run's, or a clone's")
+    elif inside:
+        (staging / "merge").mkdir(parents=True)
+        os.symlink(tmp_path / "theirs", staging / "merge" / "tokenizer")
+    else:
+        os.symlink(tmp_path / "theirs", staging)
+    staged_merge(str(previous), writer(NEW))
+    assert (tmp_path / "theirs" / "precious.txt").read_text() == "precious"
+    assert ours_left(previous) == []
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("", "folder path is empty"),
+        ("dangling", "symlink to nothing"),
+        ("file/out", "which is a file"),
+        ("loop/x/out", "symlink loop"),
+        ("file", "is a file, not a folder"),
+    ],
+)
+def test_unpublishable_paths_are_refused_before_anything(
+    tmp_path, monkeypatch, out, message
+):
+    """An empty OUT (an unset "$OUTDIR") never means the current folder."""
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    monkeypatch.chdir(tmp_path)
+    before, called = tree(tmp_path), []
+    with pytest.raises(OutputError, match=message):
+        staged_merge(out, called.append)
+    assert not called and tree(tmp_path) == before
+
+
+# --- the OS refusing a step: one error that says where OUT stands ------------------
+
+
+def refuse(monkeypatch, name: str, code: int, when) -> None:
+    """output_folder's os.<name> fails with `code` on the call when(path) holds."""
+    real = getattr(os, name)
+
+    def refused(*args, **kwargs):
+        if when(str(args[-1] if name == "replace" else args[0])):
+            raise OSError(code, os.strerror(code), args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(output_folder.os, name, refused)
+
+
+def manifests(path: str) -> bool:
+    return path.endswith(os.sep + MANIFEST)
+
+
+def second_manifest():
+    seen = []  # the manifest written after the renames
+    return lambda p: manifests(p) and seen.append(p) or len(seen) > 1
+
+
+@pytest.mark.parametrize(
+    "name, code, when, state",
+    [
+        ("replace", errno.EPERM, manifests, "old"),
+        ("replace", errno.ENOSPC, manifests, "old"),
+        ("fsync", errno.EIO, lambda path: True, "old"),
+        ("unlink", errno.EPERM, lambda p: p.endswith(f"out{os.sep}config.json"), "old"),
+        ("replace", errno.EPERM, lambda p: p.endswith("model.safetensors"), "half"),
+        ("replace", errno.ENOSPC, second_manifest(), "new"),
+    ],
+    ids=["manifest EPERM", "manifest full", "fsync EIO", "immutable", "a move", "end"],
+)
+def test_a_step_the_os_refuses_says_where_out_stands(
+    previous, tmp_path, monkeypatch, name, code, when, state
+):
+    """The OS refusing the manifest (EPERM for EROFS / EIO), a full disk
+    there, OUT made immutable right after it, a rename refused: one
+    OutputError that truly says where OUT stands; the next run publishes."""
+    refuse(monkeypatch, name, code, when)
+    said = {"old": "is as it was", "half": "has no config.json", "new": "holds the new"}
+    with pytest.raises(OutputError, match=f"{os.strerror(code)}.*{said[state]}"):
+        staged_merge(str(previous), writer(NEW))
+    monkeypatch.undo()
+    if state != "half":
+        files = OLD if state == "old" else NEW
+        assert tree(previous) == expected(files, tmp_path / "was")
+    else:
+        assert "config.json" not in tree(previous)
+    staged_merge(str(previous), writer(NEWER))
+    assert tree(previous) == expected(NEWER, tmp_path / "newer")
+    assert ours_left(previous) == []
+
+
+def test_our_folder_removed_during_the_merge_is_one_error(previous):
+    def removing(staged: str) -> None:
+        shutil.rmtree(previous / STATE)
+        Path(staged, "config.json").write_text("new")
+
+    before = tree(previous)
+    with pytest.raises(OutputError, match="No such file or directory.* is as it was"):
+        staged_merge(str(previous), removing)
+    assert tree(previous) == before and ours_left(previous) == []
