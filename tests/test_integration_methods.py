@@ -24,10 +24,7 @@ from mergekit_ram.integration.install import (
     patch_run_merge,
     register_methods,
 )
-from mergekit_ram.integration.methods import (
-    ram,
-    ramplus,
-)
+from mergekit_ram.integration.methods import ram, ramplus
 
 STOCK = stock_ram.ram_merge
 CASES = [

@@ -73,10 +73,7 @@ def register_methods() -> None:
 
 def patch_planner(plan: ModuleType) -> None:
     """Wrap MergePlanner._plan / plan_to_disk for whole-model statistics."""
-    from mergekit_ram.integration.statistics import (
-        patched_plan,
-        patched_plan_to_disk,
-    )
+    from mergekit_ram.integration.statistics import patched_plan, patched_plan_to_disk
 
     planner = getattr(plan, "MergePlanner", None)
     for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
