@@ -92,49 +92,32 @@ def test_a_foreign_method_of_our_name_is_refused(name, monkeypatch):
     assert registry._METHODS[name] is foreign  # not overwritten
 
 
-@pytest.mark.parametrize("table", [None, []])
-def test_a_registry_without_its_table_is_refused(table, monkeypatch):
-    monkeypatch.setattr(registry, "_METHODS", table)
-    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
-        register_methods()
-
-
-def test_a_mergekit_without_what_is_patched_is_refused():
+def test_a_mergekit_without_what_is_patched_is_refused(monkeypatch):
     with pytest.raises(IncompatibleMergekit, match="MergePlanner._plan"):
         patch_planner(types.ModuleType("fake_plan"))
     with pytest.raises(IncompatibleMergekit, match="generate_card"):
         patch_card(types.ModuleType("fake_merge"), str)
     with pytest.raises(IncompatibleMergekit, match="run_merge"):
         patch_run_merge(types.ModuleType("fake_merge"))
+    monkeypatch.setattr(registry, "_METHODS", None)
+    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
+        register_methods()
 
 
 # --- parity with stock ram ----------------------------------------------------
 
 
+@pytest.mark.parametrize("at", [0, 1])
 @pytest.mark.parametrize("parameters", [None, {"epsilon": 1e-3}])
-def test_ram_equals_stock_float32(case, parameters):
+def test_ram_equals_stock_float32(case, parameters, at):
     base, tasks = case
-    tensors = [base, *tasks]
-    stock = merge_methods.merge_tensors(
-        tensors, STOCK, parameters=parameters, base_index=0
-    )
-    ours = merge_methods.merge_tensors(
-        tensors, "ram", parameters=parameters, base_index=0
-    )
+    tensors = [*tasks[:at], base, *tasks[at:]]
+    kwargs = dict(parameters=parameters, base_index=at)
+    stock = merge_methods.merge_tensors(tensors, STOCK, **kwargs)
+    ours = merge_methods.merge_tensors(tensors, "ram", **kwargs)
     assert ours.dtype == torch.float32 and ours.device == base.device
     assert torch.equal(ours, stock)
-    api = mergekit_ram.merge_tensors(
-        tensors, "ram", parameters=parameters, base_index=0
-    )
-    assert torch.equal(api, stock)
-
-
-def test_ram_equals_stock_with_base_not_first(case):
-    base, tasks = case
-    tensors = [*tasks[:1], base, *tasks[1:]]
-    stock = merge_methods.merge_tensors(tensors, STOCK, base_index=1)
-    ours = merge_methods.merge_tensors(tensors, "ram", base_index=1)
-    assert torch.equal(ours, stock)
+    assert torch.equal(mergekit_ram.merge_tensors(tensors, "ram", **kwargs), stock)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -152,7 +135,10 @@ def test_ram_low_precision_is_stock_float32_rounded_once(case, dtype):
         assert not torch.equal(ours, in_dtype)
 
 
-def test_ram_state_dicts_equal_stock():
+def test_state_dicts_ram_equals_stock_and_ramplus_counts_the_whole_call():
+    """RAM equals stock on state dicts; global RAM+ through mergekit's own
+    in-memory merge (and ours) counts the whole call, as the dense reference
+    counts the model."""
     base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
     bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
     models = [{"w": base, "b": bias}] + [
@@ -162,16 +148,6 @@ def test_ram_state_dicts_equal_stock():
     ours = merge_methods.merge_state_dicts(models, "ram", base=0)
     assert stock.keys() == ours.keys() == {"w", "b"}
     assert all(torch.equal(ours[k], stock[k]) for k in stock)
-
-
-def test_mergekits_merge_state_dicts_is_whole_model_ramplus():
-    """mergekit's own in-memory merge of a state dict with global
-    RAM+ counts the whole call, as the dense reference counts the model."""
-    base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
-    bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
-    models = [{"w": base, "b": bias}] + [
-        {"w": t, "b": b} for t, b in zip(tasks, bias_tasks)
-    ]
     expected, _ = reference.merge(models[0], models[1:], r=0.1)
     for merge in (merge_methods.merge_state_dicts, mergekit_ram.merge_state_dicts):
         merged = merge(models, "ramplus", base=0)
@@ -266,25 +242,18 @@ def test_base_is_required():
 
 
 def test_mergekits_merge_tensors_counts_its_one_tensor(case):
-    """Issue 35: mergekit's merge_tensors with global RAM+ is whole-call RAM+,
-    here one tensor: the dense reference's λ from that tensor."""
+    """mergekit's merge_tensors with global RAM+ is whole-call RAM+, here one
+    tensor: the dense reference's λ from that tensor; a given λ is kept."""
     base, tasks = case
-    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
-    expected, _ = reference.merge({"w": base}, [{"w": t} for t in tasks], r=0.1)
-    assert torch.equal(merged, expected["w"])
-
-
-def test_mergekits_merge_tensors_keeps_a_given_unique_scale():
-    base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
-    merged = merge_methods.merge_tensors(
-        [base, *tasks],
-        "ramplus",
-        parameters={"unique_scale": [1.5, None]},
-        base_index=0,
-    )
     state = ({"w": base}, [{"w": t} for t in tasks])
-    _, lam = reference.merge(*state, r=0.1)
-    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, lam[1]])
+    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
+    expected, lam = reference.merge(*state, r=0.1)
+    assert torch.equal(merged, expected["w"])
+    given = [1.5, *[None] * (len(tasks) - 1)]
+    merged = merge_methods.merge_tensors(
+        [base, *tasks], "ramplus", parameters={"unique_scale": given}, base_index=0
+    )
+    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, *lam[1:]])
     assert torch.equal(merged, expected["w"])
 
 
@@ -303,7 +272,7 @@ def test_tensor_scope_works_through_mergekit(case, saturation, r, alpha):
     assert torch.equal(out, expected)
 
 
-def test_ramplus_without_statistics_needed_works_through_mergekit(case):
+def test_ramplus_without_statistics_and_epsilon_through_mergekit(case):
     base, tasks = case
     tensors = [base, *tasks]
     # r = 0 is plain RAM.
@@ -317,10 +286,7 @@ def test_ramplus_without_statistics_needed_works_through_mergekit(case):
         tensors, "ramplus", parameters={"unique_scale": scales}, base_index=0
     )
     assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
-
-
-def test_epsilon_parameter_reaches_kernel(case):
-    base, tasks = case
+    # epsilon reaches the kernel
     out = merge_methods.merge_tensors(
         [base, *tasks], "ram", parameters={"epsilon": 4e-3}, base_index=0
     )

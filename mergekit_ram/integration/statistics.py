@@ -234,19 +234,13 @@ def collect_planned(
 def count_planned(
     merges: list[Any],
     settings: MergeSettings,
-    explicit: dict[Any, Any],
+    explicit: dict,
     options: Any,
-    desc: str = "RAM+ statistics",
-    inner_products: bool = False,
+    **kwargs: Any,
 ) -> tuple[OverlapStatistics, dict[Any, float]]:
-    """Run the statistics engine over planned tasks; λ per model, explicit first."""
-    stats = collect_planned(
-        merges,
-        options,
-        epsilon=settings.epsilon,
-        desc=desc,
-        inner_products=inner_products,
-    )
+    """Run the statistics engine over planned tasks (`collect_planned`'s
+    keywords); λ per model, explicit first."""
+    stats = collect_planned(merges, options, epsilon=settings.epsilon, **kwargs)
     return stats, stats.scales(settings.rule, explicit)
 
 
