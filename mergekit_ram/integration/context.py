@@ -82,11 +82,8 @@ def merge_run() -> Iterator[MergeRun]:
         return
     with workers(usable_cpus()) as pool:
         run = MergeRun(workers=pool)
-        token = _CURRENT.set(run)
-        try:
+        with running(run):
             yield run
-        finally:
-            _CURRENT.reset(token)
 
 
 @contextmanager

@@ -368,7 +368,6 @@ def patched_plan(original):
             for w, t in self._tensors
         ]
 
-    _plan.__mergekit_ram__ = original
     return _plan
 
 
@@ -385,7 +384,6 @@ def patched_plan_to_disk(original):
         write._run = run
         return tasks + [write]
 
-    plan_to_disk.__mergekit_ram__ = original
     return plan_to_disk
 
 
