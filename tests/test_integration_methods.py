@@ -10,8 +10,8 @@ import pytest
 import reference
 import torch
 from mergekit import merge_methods
+from mergekit.merge_methods import BasePolicy, ParameterScope, registry
 from mergekit.merge_methods import ram as stock_ram
-from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
@@ -158,30 +158,17 @@ def test_state_dicts_ram_equals_stock_and_ramplus_counts_the_whole_call():
 # --- declared parameters ------------------------------------------------------
 
 
-def defaults(method):
-    return {p.name: p.default for p in method.spec.parameters}
-
-
 def test_spec_defaults():
-    common = {
-        "epsilon": 1e-5,
-        "alpha": 2.0,
-        "saturation": "clip",
-        "statistics": "global",
-        "nonfinite": "refuse",
-        "shared": "mean",
-        "density": 0.1,
-        "unique_scale": None,
-    }
-    assert defaults(ram) == {**common, "r": 0.0}
-    assert defaults(ramplus) == {**common, "r": 0.1}
-    for method in (ram, ramplus):
-        assert method.spec.contract.base == merge_methods.BasePolicy.REQUIRED
-        scopes = {p.name: p.scope for p in method.spec.parameters}
-        assert scopes.pop("unique_scale") == merge_methods.ParameterScope.NON_BASE
-        assert set(scopes.values()) == {merge_methods.ParameterScope.SHARED}
-        assert method.spec.reference_url == "https://arxiv.org/abs/2601.13572"
-    assert ram.spec.name == "ram" and ramplus.spec.name == "ramplus"
+    common = dict(epsilon=1e-5, alpha=2.0, saturation="clip", statistics="global")
+    common.update(nonfinite="refuse", shared="mean", density=0.1, unique_scale=None)
+    for method, name, r in ((ram, "ram", 0.0), (ramplus, "ramplus", 0.1)):
+        spec = method.spec
+        assert {p.name: p.default for p in spec.parameters} == {**common, "r": r}
+        assert spec.name == name and spec.contract.base == BasePolicy.REQUIRED
+        scopes = {p.name: p.scope for p in spec.parameters}
+        assert scopes.pop("unique_scale") == ParameterScope.NON_BASE
+        assert set(scopes.values()) == {ParameterScope.SHARED}
+        assert spec.reference_url == "https://arxiv.org/abs/2601.13572"
 
 
 def test_ramplus_defaults_are_used(case):

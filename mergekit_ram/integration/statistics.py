@@ -330,11 +330,8 @@ def rescales(merges: list[Any]) -> bool:
 
 
 class _Planned(Exception):
-    """Stops mergekit's run_merge once it has planned (`plan_merges`)."""
-
-    def __init__(self, merges: list[Any]) -> None:
-        super().__init__("planned")
-        self.merges = merges
+    """Stops mergekit's run_merge once it has planned (`plan_merges`); its
+    one argument: the planned merge tasks."""
 
 
 def patched_plan(original):
@@ -408,7 +405,7 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
         try:
             run_merge(config, "", options)
         except _Planned as planned:
-            return planned.merges
+            return planned.args[0]
         finally:
             run.plan_only = False
     return []
