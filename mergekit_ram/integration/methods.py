@@ -79,18 +79,16 @@ class RAMMerge(GroupMergeMethod):
     def _execute(
         self,
         groups: Sequence[TensorGroup],
-        parameters: list[dict[str, Any]],
-        options: Any,
-        *,
-        input_dtypes: Sequence[torch.dtype | None],
-        out_dtype: torch.dtype | None = None,
+        parameters: list[dict],
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
         """mergekit casts a method's result to out_dtype after merge_group; the
         kernel gets it instead, so the float32 result is rounded only once.
         Global RAM+ without λ (mergekit's in-memory merge_tensors and
         merge_state_dicts; a config merge's planner hook passes λ) counts
         every group of the call first: the call's inputs are the whole model."""
-        parameters = [{**p, "out_dtype": out_dtype} for p in parameters]
+        parameters = [{**p, "out_dtype": kwargs.get("out_dtype")} for p in parameters]
         # Global RAM+ with some task model's λ still unknown.
         if any(
             p["statistics"] == "global"
@@ -98,10 +96,8 @@ class RAMMerge(GroupMergeMethod):
             and None in p["unique_scale"].values()
             for p in parameters
         ):
-            parameters = _whole_call_scales(groups, parameters, input_dtypes)
-        return super()._execute(
-            groups, parameters, options, input_dtypes=input_dtypes, out_dtype=out_dtype
-        )
+            parameters = _whole_call_scales(groups, parameters, kwargs["input_dtypes"])
+        return super()._execute(groups, parameters, *args, **kwargs)
 
     def merge_group(
         self,
