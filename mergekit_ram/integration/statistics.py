@@ -317,18 +317,6 @@ def with_scales(task: Any, scales: dict[Any, float]) -> Any:
     return task.model_copy(update={"input_parameters": immutables.Map(params)})
 
 
-def rescales(merges: list[Any]) -> bool:
-    """Whether some planned merge may scale unique elements by λ ≠ 1."""
-    return any(
-        task.parameters.get("r", 0) > 0
-        or any(
-            params.get("unique_scale") not in (None, 1.0)
-            for params in task.input_parameters.values()
-        )
-        for task in merges
-    )
-
-
 class _Planned(Exception):
     """Stops mergekit's run_merge once it has planned (`plan_merges`); its
     one argument: the planned merge tasks."""
@@ -348,7 +336,9 @@ def patched_plan(original):
         # Every rule on the resolved parameters, once, before any weight is read.
         settings, explicit = check_plan(merges, run.findings)
         run.values = resolved_values(merges)
-        run.tally = SurvivalTally() if rescales(merges) else None
+        # A tally when some unique element may be scaled by λ ≠ 1.
+        scaled = any(v not in (None, 1.0) for v in explicit.values())
+        run.tally = SurvivalTally() if scaled or max(run.values["r"]) > 0 else None
         if settings.needs_pass(explicit.keys(), explicit):
             stats, scales = count_planned(
                 merges,
