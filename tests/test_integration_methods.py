@@ -51,30 +51,24 @@ def ref_merge(base, tasks, **kwargs):
 # --- registration -----------------------------------------------------------
 
 
-def test_import_registers_ours():
-    assert merge_methods.get("ram") is ram
-    assert merge_methods.get("ramplus") is ramplus
-    assert {ram, ramplus} <= set(merge_methods.registered_methods())
-    # Stock's tensor-local variant is left alone.
-    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
-
-
-def test_install_twice_is_idempotent():
+def test_registered_over_stock_ram_once(monkeypatch):
+    """Importing registers ours (stock's tensor-local variant is left alone);
+    installing again changes nothing; stock `ram` is taken over."""
     from mergekit import merge as merge_module
     from mergekit import plan
 
-    mergekit_ram.install()
+    assert merge_methods.get("ram") is ram
+    assert merge_methods.get("ramplus") is ramplus
+    assert {ram, ramplus} <= set(merge_methods.registered_methods())
+    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
     table = dict(registry._METHODS)
-    planner = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
+    patched = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
     card = merge_module.generate_card
     mergekit_ram.install()
     mergekit_ram.install(eager=False)
     assert registry._METHODS == table
-    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == planner
+    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == patched
     assert merge_module.generate_card is card
-
-
-def test_stock_ram_is_replaced(monkeypatch):
     monkeypatch.setitem(registry._METHODS, "ram", STOCK)
     register_methods()
     assert merge_methods.get("ram") is ram
