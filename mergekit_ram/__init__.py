@@ -31,4 +31,4 @@ def __getattr__(name: str):
 _autoload.activate(_INSTALLER)
 if "mergekit" in sys.modules:
     # Imported from the autoload hook while mergekit is half-loaded: finish later.
-    install(eager=not _autoload.busy())
+    install(eager=not _autoload.LOADING)

@@ -172,7 +172,7 @@ def install(eager: bool, card_section: CardSection) -> None:
         ("mergekit.merge", patch_run_merge),
     )
     for index, (module, apply) in enumerate(patches):
-        loaded = module in sys.modules and not autoload.loading(module)
+        loaded = module in sys.modules and module not in autoload.LOADING
         if loaded or eager or index == 0:
             # sys.modules first: a module whose import just finished is not yet
             # an attribute of its package, and `import a.b` would fail on it.
