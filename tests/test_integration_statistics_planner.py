@@ -82,6 +82,19 @@ def assert_statistics(doc, paths, base, tasks, *, r, alpha, saturation, lambdas)
         assert row["scale"] == pytest.approx(lambdas[t], rel=1e-12), path
 
 
+def assert_reference(family, out, settings, base, tasks):
+    """The merge in `out` equals the reference's global RAM+ of `base` and
+    `tasks`, and its ram_statistics.json the reference's whole-model counts;
+    returns the merged state, that document and the reference's λ."""
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    merged = merged_state(out)
+    assert_same_state(merged, expected)
+    doc = read_json(out / STATISTICS_FILE)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    return merged, doc, lambdas
+
+
 CASES = {
     "clip": dict(r=0.3, alpha=1.0, saturation="clip"),
     "soft": dict(r=0.25, alpha=spec_default("alpha"), saturation="soft"),
@@ -107,19 +120,13 @@ def test_global_ramplus_equals_reference(
     base = family.state("base")
     tasks = family.task_states()
     assert all(t.dtype == getattr(torch, dtype) for t in base.values())
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
-    assert_same_state(merged, expected)
+    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
     assert all(lam > 1 for lam in lambdas)
 
     # The family is built so that tensor-local statistics would give another
     # model: the global scope is what was computed.
     tensor_scope, _ = reference.merge(base, tasks, statistics="tensor", **settings)
     assert any(not torch.equal(tensor_scope[k], merged[k]) for k in merged)
-
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
 
 
 def test_tied_embeddings_counted_once(model_family, tmp_path):
@@ -131,14 +138,8 @@ def test_tied_embeddings_counted_once(model_family, tmp_path):
     out = run(family.yaml("ramplus", parameters=written(settings)), tmp_path / "out")
 
     tasks = family.task_states()
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
+    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
     assert "lm_head.weight" not in merged
-    assert_same_state(merged, expected)
-    doc = read_json(out / STATISTICS_FILE)
-    assert doc["num_tensors"] == len(base)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
 
     # Counting the shared matrix a second time (as lm_head) changes λ here,
     # so the test would notice a double count.
@@ -205,12 +206,7 @@ def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
     base = permuted("base")
     tasks = [permuted(n) for n in family.tasks]
     assert base["model.embed_tokens.weight"].shape[0] == len(order)
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
-    assert_same_state(merged, expected)
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    _, doc, _ = assert_reference(family, out, settings, base, tasks)
 
     # Without the permutation the shuffled model would look changed almost
     # everywhere in its vocabulary rows.
@@ -245,12 +241,7 @@ def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
 
     base = family.state("base")
     tasks = family.task_states()
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    assert_same_state(merged_state(out), expected)
-
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    merged, doc, _ = assert_reference(family, out, settings, base, tasks)
     rows = {row["model"]: row for row in doc["tasks"]}
 
     inside = rows[family.paths["inside"]]
@@ -273,7 +264,7 @@ def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
     changed_scale, _ = reference.merge(
         base, tasks, unique_scale=[None, None, 5.0, None], **settings
     )
-    assert_same_state(changed_scale, expected)
+    assert_same_state(changed_scale, merged)
 
 
 def test_single_task_model(family_f32, tmp_path):
