@@ -12,19 +12,9 @@ import os
 import sys
 
 WATCHED = ("mergekit.merge_methods", "mergekit.plan", "mergekit.merge")
-_loading = set()
+LOADING = set()  # the watched modules whose import is still running
 _installer = None  # "module:function", set by activate()
 _warned = False
-
-
-def loading(name):
-    """Whether a watched module's import is still running."""
-    return name in _loading
-
-
-def busy():
-    """Whether any watched module's import is still running."""
-    return bool(_loading)
 
 
 def enabled():
@@ -74,11 +64,11 @@ class _Loader:
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
-        _loading.add(self._name)
+        LOADING.add(self._name)
         try:
             self._inner.exec_module(module)
         finally:
-            _loading.discard(self._name)
+            LOADING.discard(self._name)
         _loaded(self._name)
 
 

@@ -15,7 +15,6 @@ from mergekit_ram.commands.install import install
 __version__ = "0.1.0"
 __all__ = ["install", "merge_state_dicts", "merge_tensors", "run_merge"]
 
-_INSTALLER = "mergekit_ram.commands.install:install"
 _API = ("merge_state_dicts", "merge_tensors", "run_merge")
 
 
@@ -28,7 +27,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mergekit_ram' has no attribute {name!r}")
 
 
-_autoload.activate(_INSTALLER)
+_autoload.activate("mergekit_ram.commands.install:install")
 if "mergekit" in sys.modules:
     # Imported from the autoload hook while mergekit is half-loaded: finish later.
-    install(eager=not _autoload.busy())
+    install(eager=not _autoload.LOADING)

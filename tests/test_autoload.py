@@ -143,25 +143,19 @@ def launched(cli_family, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_plain_mergekit_yaml_runs_ramplus(launched):
-    code, _, err = launched.result("mergekit-yaml")
-    assert code == 0, err
-    out = launched.root / "mergekit-yaml"
-    assert (out / "model.safetensors").is_file()
-    doc = read_json(out / "ram_statistics.json")
-    assert doc["r"] == 0.3 and doc["alpha"] == 1.0
-    assert all(row["scale"] > 1 for row in doc["tasks"])
-    assert "### RAM+ statistics" in (out / "README.md").read_text(encoding="utf-8")
-    written = (out / "mergekit_config.yml").read_text(encoding="utf-8")
-    assert written == launched.config.read_text(encoding="utf-8")
-
-
-@pytest.mark.slow
 def test_three_entry_points_byte_identical(launched, tmp_path):
+    """Plain mergekit-yaml merges RAM+ (statistics, card, the user's recipe),
+    byte for byte as mergekit-ram merge and run_merge do."""
     for tool in ("mergekit-yaml", "mergekit-ram"):
         code, _, err = launched.result(tool)
         assert code == 0, f"{tool}: {err}"
     text = launched.config.read_text(encoding="utf-8")
+    stock = launched.root / "mergekit-yaml"
+    doc = read_json(stock / "ram_statistics.json")
+    assert doc["r"] == 0.3 and doc["alpha"] == 1.0
+    assert all(row["scale"] > 1 for row in doc["tasks"])
+    assert "### RAM+ statistics" in (stock / "README.md").read_text(encoding="utf-8")
+    assert (stock / "mergekit_config.yml").read_text(encoding="utf-8") == text
     out = tmp_path / "python"
     mergekit_ram.run_merge(
         MergeConfiguration.model_validate(yaml.safe_load(text)),
@@ -212,8 +206,10 @@ def test_import_orders_end_registered_and_patched(launched, order):
         assert state["first"]["planner"] is True
 
 
-def test_hook_is_lazy():
-    """At start-up the hook (this project's) is loaded, mergekit and torch not."""
+def test_hook_is_lazy_and_starts_in_below_50ms(tmp_path):
+    """At start-up the hook (this project's) is loaded, mergekit, torch and
+    mergekit_ram not; `-X importtime`: its cumulative import time, the best
+    of several starts, so a busy machine cannot make it flaky."""
     import _mergekit_ram_autoload
 
     code = (
@@ -221,39 +217,24 @@ def test_hook_is_lazy():
         "('mergekit', 'torch', 'mergekit_ram')] + "
         "[sys.modules['_mergekit_ram_autoload'].__file__]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=True,
-    ).stdout
-    *loaded, hook = json.loads(out)
-    assert loaded == [False, False, False]
-    assert Path(hook).resolve() == Path(_mergekit_ram_autoload.__file__).resolve()
-
-
-def test_hook_start_up_cost_below_50ms(tmp_path):
-    """`python -X importtime -c pass`: the hook's cumulative import time.
-
-    The best of several starts, so a busy machine cannot make it flaky.
-    """
     pattern = re.compile(
         r"import time:\s+(\d+)\s+\|\s+(\d+)\s+\|\s+_mergekit_ram_autoload$"
     )
     timings = []
     for _ in range(7):
-        err = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", "pass"],
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", code],
             cwd=tmp_path,
             env=child_env(),
             capture_output=True,
             text=True,
             timeout=TIMEOUT,
             check=True,
-        ).stderr
-        lines = [m for line in err.splitlines() if (m := pattern.search(line))]
-        assert len(lines) == 1, err
+        )
+        *loaded, hook = json.loads(done.stdout)
+        assert loaded == [False, False, False]
+        assert Path(hook).resolve() == Path(_mergekit_ram_autoload.__file__).resolve()
+        lines = [m for line in done.stderr.splitlines() if (m := pattern.search(line))]
+        assert len(lines) == 1, done.stderr
         timings.append(int(lines[0].group(2)))
     assert min(timings) < 50_000, timings

@@ -39,15 +39,29 @@ def statistics_rows(card: str, paths: list[str]) -> list[str]:
     return [cell for cell in cells if cell in paths]
 
 
+def base_with_card(family, tmp_path, card: str | None):
+    """A copy of the family's base, with this README.md (none for None)."""
+    base = tmp_path / "base"
+    shutil.copytree(family.base, base)
+    if card is not None:
+        (base / "README.md").write_text(card, encoding="utf-8")
+    return str(base)
+
+
 @pytest.mark.parametrize(
     "order", [("gamma", "alpha", "beta"), ("beta", "alpha", "gamma")]
 )
-def test_card_lists_models_in_config_order(order, family_f32, tmp_path):
-    """mergekit lists a set (its order changes with each process's hash seed):
-    one order of the same models and its reverse, which no set order matches
-    both of."""
+def test_card_order_heading_and_licence(order, family_f32, tmp_path):
+    """The models in the configuration's order (mergekit lists a set, whose
+    order changes with each process's hash seed: one order of the same
+    models and its reverse, which no set order matches both of), the variant
+    in the Merge Method heading and the base model's licence in the card's
+    metadata."""
     family = family_f32
-    config = family.config_dict("ramplus", tasks=order)
+    base = base_with_card(
+        family, tmp_path, "---\nlicense: apache-2.0\ntags: [x]\n---\n# Base\n"
+    )
+    config = family.config_dict("ramplus", tasks=order, base_model=base)
     out = tmp_path / "out"
     mergekit_ram.run_merge(
         MergeConfiguration.model_validate(config), str(out), MergeOptions(quiet=True)
@@ -56,6 +70,12 @@ def test_card_lists_models_in_config_order(order, family_f32, tmp_path):
     paths = [family.paths[name] for name in order]
     assert models_merged(card) == paths
     assert statistics_rows(card, paths) == paths
+    heading = "### Merge Method: RAM+ (global statistics, clip rule, `shared: mean`)"
+    assert heading in card.splitlines()
+    metadata = yaml.safe_load(card.split("---\n")[1])
+    assert metadata["license"] == "apache-2.0"
+    assert metadata["tags"] == ["mergekit", "merge"]  # mergekit's, as it wrote them
+    assert ModelCard(card).data.license == "apache-2.0"
 
 
 VARIANTS = [
@@ -81,47 +101,12 @@ def test_variant_names_what_the_configuration_merges_with(
     method, parameters, name, family_f32
 ):
     """The heading names what the plan resolved, per tensor."""
-    from mergekit.options import MergeOptions
-
     from mergekit_ram.integration.statistics import plan_merges
     from mergekit_ram.integration.validation import resolved_values
 
     config = family_f32.config_dict(method, parameters=parameters or None)
     merges = plan_merges(MergeConfiguration.model_validate(config), MergeOptions())
     assert variant(resolved_values(merges)) == name
-
-
-def base_with_card(family, tmp_path, card: str | None):
-    """A copy of the family's base, with this README.md (none for None)."""
-    base = tmp_path / "base"
-    shutil.copytree(family.base, base)
-    if card is not None:
-        (base / "README.md").write_text(card, encoding="utf-8")
-    return str(base)
-
-
-def test_card_heading_and_licence_of_a_merge(family_f32, tmp_path):
-    """A tensor-local RAM+ merge's card names its variant in the Merge Method
-    heading and the base model's licence in its metadata."""
-    base = base_with_card(
-        family_f32, tmp_path, "---\nlicense: apache-2.0\ntags: [x]\n---\n# Base\n"
-    )
-    config = family_f32.config_dict(
-        "ramplus", parameters={"statistics": "tensor"}, base_model=base
-    )
-    out = tmp_path / "out"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(config), str(out), MergeOptions(quiet=True)
-    )
-    card = (out / "README.md").read_text(encoding="utf-8")
-    heading = (
-        "### Merge Method: RAM+ (tensor-local statistics, clip rule, `shared: mean`)"
-    )
-    assert heading in card.splitlines()
-    metadata = yaml.safe_load(card.split("---\n")[1])
-    assert metadata["license"] == "apache-2.0"
-    assert metadata["tags"] == ["mergekit", "merge"]  # mergekit's, as it wrote them
-    assert ModelCard(card).data.license == "apache-2.0"
 
 
 @pytest.mark.parametrize(

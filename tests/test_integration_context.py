@@ -42,17 +42,12 @@ def test_failed_merges_leave_nothing_behind(family_f32, tmp_path, monkeypatch):
 
 
 def test_a_merge_hands_its_statistics_to_the_caller(family_f32, tmp_path):
+    """The merge runs in the run its caller opened (runs nest into the first)."""
     config = MergeConfiguration.model_validate(family_f32.config_dict("ramplus"))
     with merge_run() as run:
+        with merge_run() as inner:
+            assert inner is run and current_run() is run
         mergekit_ram.run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True))
     settings, stats, scales = run.result
     assert settings.r > 0 and set(scales) == set(stats.tasks)
-    assert current_run() is None
-
-
-def test_runs_nest_into_the_one_opened_first():
-    with merge_run() as outer:
-        with merge_run() as inner:
-            assert inner is outer and current_run() is outer
-        assert current_run() is outer
     assert current_run() is None

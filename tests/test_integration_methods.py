@@ -10,8 +10,8 @@ import pytest
 import reference
 import torch
 from mergekit import merge_methods
+from mergekit.merge_methods import BasePolicy, ParameterScope, registry
 from mergekit.merge_methods import ram as stock_ram
-from mergekit.merge_methods import registry
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
@@ -24,10 +24,7 @@ from mergekit_ram.integration.install import (
     patch_run_merge,
     register_methods,
 )
-from mergekit_ram.integration.methods import (
-    ram,
-    ramplus,
-)
+from mergekit_ram.integration.methods import ram, ramplus
 
 STOCK = stock_ram.ram_merge
 CASES = [
@@ -54,30 +51,24 @@ def ref_merge(base, tasks, **kwargs):
 # --- registration -----------------------------------------------------------
 
 
-def test_import_registers_ours():
-    assert merge_methods.get("ram") is ram
-    assert merge_methods.get("ramplus") is ramplus
-    assert {ram, ramplus} <= set(merge_methods.registered_methods())
-    # Stock's tensor-local variant is left alone.
-    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
-
-
-def test_install_twice_is_idempotent():
+def test_registered_over_stock_ram_once(monkeypatch):
+    """Importing registers ours (stock's tensor-local variant is left alone);
+    installing again changes nothing; stock `ram` is taken over."""
     from mergekit import merge as merge_module
     from mergekit import plan
 
-    mergekit_ram.install()
+    assert merge_methods.get("ram") is ram
+    assert merge_methods.get("ramplus") is ramplus
+    assert {ram, ramplus} <= set(merge_methods.registered_methods())
+    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
     table = dict(registry._METHODS)
-    planner = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
+    patched = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
     card = merge_module.generate_card
     mergekit_ram.install()
     mergekit_ram.install(eager=False)
     assert registry._METHODS == table
-    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == planner
+    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == patched
     assert merge_module.generate_card is card
-
-
-def test_stock_ram_is_replaced(monkeypatch):
     monkeypatch.setitem(registry._METHODS, "ram", STOCK)
     register_methods()
     assert merge_methods.get("ram") is ram
@@ -95,49 +86,32 @@ def test_a_foreign_method_of_our_name_is_refused(name, monkeypatch):
     assert registry._METHODS[name] is foreign  # not overwritten
 
 
-@pytest.mark.parametrize("table", [None, []])
-def test_a_registry_without_its_table_is_refused(table, monkeypatch):
-    monkeypatch.setattr(registry, "_METHODS", table)
-    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
-        register_methods()
-
-
-def test_a_mergekit_without_what_is_patched_is_refused():
+def test_a_mergekit_without_what_is_patched_is_refused(monkeypatch):
     with pytest.raises(IncompatibleMergekit, match="MergePlanner._plan"):
         patch_planner(types.ModuleType("fake_plan"))
     with pytest.raises(IncompatibleMergekit, match="generate_card"):
         patch_card(types.ModuleType("fake_merge"), str)
     with pytest.raises(IncompatibleMergekit, match="run_merge"):
         patch_run_merge(types.ModuleType("fake_merge"))
+    monkeypatch.setattr(registry, "_METHODS", None)
+    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
+        register_methods()
 
 
 # --- parity with stock ram ----------------------------------------------------
 
 
+@pytest.mark.parametrize("at", [0, 1])
 @pytest.mark.parametrize("parameters", [None, {"epsilon": 1e-3}])
-def test_ram_equals_stock_float32(case, parameters):
+def test_ram_equals_stock_float32(case, parameters, at):
     base, tasks = case
-    tensors = [base, *tasks]
-    stock = merge_methods.merge_tensors(
-        tensors, STOCK, parameters=parameters, base_index=0
-    )
-    ours = merge_methods.merge_tensors(
-        tensors, "ram", parameters=parameters, base_index=0
-    )
+    tensors = [*tasks[:at], base, *tasks[at:]]
+    kwargs = dict(parameters=parameters, base_index=at)
+    stock = merge_methods.merge_tensors(tensors, STOCK, **kwargs)
+    ours = merge_methods.merge_tensors(tensors, "ram", **kwargs)
     assert ours.dtype == torch.float32 and ours.device == base.device
     assert torch.equal(ours, stock)
-    api = mergekit_ram.merge_tensors(
-        tensors, "ram", parameters=parameters, base_index=0
-    )
-    assert torch.equal(api, stock)
-
-
-def test_ram_equals_stock_with_base_not_first(case):
-    base, tasks = case
-    tensors = [*tasks[:1], base, *tasks[1:]]
-    stock = merge_methods.merge_tensors(tensors, STOCK, base_index=1)
-    ours = merge_methods.merge_tensors(tensors, "ram", base_index=1)
-    assert torch.equal(ours, stock)
+    assert torch.equal(mergekit_ram.merge_tensors(tensors, "ram", **kwargs), stock)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -155,7 +129,10 @@ def test_ram_low_precision_is_stock_float32_rounded_once(case, dtype):
         assert not torch.equal(ours, in_dtype)
 
 
-def test_ram_state_dicts_equal_stock():
+def test_state_dicts_ram_equals_stock_and_ramplus_counts_the_whole_call():
+    """RAM equals stock on state dicts; global RAM+ through mergekit's own
+    in-memory merge (and ours) counts the whole call, as the dense reference
+    counts the model."""
     base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
     bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
     models = [{"w": base, "b": bias}] + [
@@ -165,16 +142,6 @@ def test_ram_state_dicts_equal_stock():
     ours = merge_methods.merge_state_dicts(models, "ram", base=0)
     assert stock.keys() == ours.keys() == {"w", "b"}
     assert all(torch.equal(ours[k], stock[k]) for k in stock)
-
-
-def test_mergekits_merge_state_dicts_is_whole_model_ramplus():
-    """mergekit's own in-memory merge of a state dict with global
-    RAM+ counts the whole call, as the dense reference counts the model."""
-    base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
-    bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
-    models = [{"w": base, "b": bias}] + [
-        {"w": t, "b": b} for t, b in zip(tasks, bias_tasks)
-    ]
     expected, _ = reference.merge(models[0], models[1:], r=0.1)
     for merge in (merge_methods.merge_state_dicts, mergekit_ram.merge_state_dicts):
         merged = merge(models, "ramplus", base=0)
@@ -185,30 +152,17 @@ def test_mergekits_merge_state_dicts_is_whole_model_ramplus():
 # --- declared parameters ------------------------------------------------------
 
 
-def defaults(method):
-    return {p.name: p.default for p in method.spec.parameters}
-
-
 def test_spec_defaults():
-    common = {
-        "epsilon": 1e-5,
-        "alpha": 2.0,
-        "saturation": "clip",
-        "statistics": "global",
-        "nonfinite": "refuse",
-        "shared": "mean",
-        "density": 0.1,
-        "unique_scale": None,
-    }
-    assert defaults(ram) == {**common, "r": 0.0}
-    assert defaults(ramplus) == {**common, "r": 0.1}
-    for method in (ram, ramplus):
-        assert method.spec.contract.base == merge_methods.BasePolicy.REQUIRED
-        scopes = {p.name: p.scope for p in method.spec.parameters}
-        assert scopes.pop("unique_scale") == merge_methods.ParameterScope.NON_BASE
-        assert set(scopes.values()) == {merge_methods.ParameterScope.SHARED}
-        assert method.spec.reference_url == "https://arxiv.org/abs/2601.13572"
-    assert ram.spec.name == "ram" and ramplus.spec.name == "ramplus"
+    common = dict(epsilon=1e-5, alpha=2.0, saturation="clip", statistics="global")
+    common.update(nonfinite="refuse", shared="mean", density=0.1, unique_scale=None)
+    for method, name, r in ((ram, "ram", 0.0), (ramplus, "ramplus", 0.1)):
+        spec = method.spec
+        assert {p.name: p.default for p in spec.parameters} == {**common, "r": r}
+        assert spec.name == name and spec.contract.base == BasePolicy.REQUIRED
+        scopes = {p.name: p.scope for p in spec.parameters}
+        assert scopes.pop("unique_scale") == ParameterScope.NON_BASE
+        assert set(scopes.values()) == {ParameterScope.SHARED}
+        assert spec.reference_url == "https://arxiv.org/abs/2601.13572"
 
 
 def test_ramplus_defaults_are_used(case):
@@ -269,25 +223,18 @@ def test_base_is_required():
 
 
 def test_mergekits_merge_tensors_counts_its_one_tensor(case):
-    """Issue 35: mergekit's merge_tensors with global RAM+ is whole-call RAM+,
-    here one tensor: the dense reference's λ from that tensor."""
+    """mergekit's merge_tensors with global RAM+ is whole-call RAM+, here one
+    tensor: the dense reference's λ from that tensor; a given λ is kept."""
     base, tasks = case
-    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
-    expected, _ = reference.merge({"w": base}, [{"w": t} for t in tasks], r=0.1)
-    assert torch.equal(merged, expected["w"])
-
-
-def test_mergekits_merge_tensors_keeps_a_given_unique_scale():
-    base, tasks = sparse_tasks((8, 8), [0.3, 0.3], seed=9)
-    merged = merge_methods.merge_tensors(
-        [base, *tasks],
-        "ramplus",
-        parameters={"unique_scale": [1.5, None]},
-        base_index=0,
-    )
     state = ({"w": base}, [{"w": t} for t in tasks])
-    _, lam = reference.merge(*state, r=0.1)
-    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, lam[1]])
+    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
+    expected, lam = reference.merge(*state, r=0.1)
+    assert torch.equal(merged, expected["w"])
+    given = [1.5, *[None] * (len(tasks) - 1)]
+    merged = merge_methods.merge_tensors(
+        [base, *tasks], "ramplus", parameters={"unique_scale": given}, base_index=0
+    )
+    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, *lam[1:]])
     assert torch.equal(merged, expected["w"])
 
 
@@ -306,7 +253,7 @@ def test_tensor_scope_works_through_mergekit(case, saturation, r, alpha):
     assert torch.equal(out, expected)
 
 
-def test_ramplus_without_statistics_needed_works_through_mergekit(case):
+def test_ramplus_without_statistics_and_epsilon_through_mergekit(case):
     base, tasks = case
     tensors = [base, *tasks]
     # r = 0 is plain RAM.
@@ -320,10 +267,7 @@ def test_ramplus_without_statistics_needed_works_through_mergekit(case):
         tensors, "ramplus", parameters={"unique_scale": scales}, base_index=0
     )
     assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
-
-
-def test_epsilon_parameter_reaches_kernel(case):
-    base, tasks = case
+    # epsilon reaches the kernel
     out = merge_methods.merge_tensors(
         [base, *tasks], "ram", parameters={"epsilon": 4e-3}, base_index=0
     )

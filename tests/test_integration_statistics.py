@@ -2,9 +2,9 @@
 
 It keeps about one tensor group in memory, not the model. Two families share
 their largest tensor (and every tensor shape) but differ eight-fold in depth.
-In a fresh interpreter each runs mergekit's planner with the real hook; the
-statistics pass (integration.statistics.collect_planned) is wrapped to
-sample the process's anonymous resident memory while it runs.
+In a fresh interpreter each plans its merge (`plan_merges`) and samples
+the process's anonymous resident memory while the statistics pass
+(`collect_planned`) runs.
 
 Why anonymous memory: safetensors hands out tensors that are views of the
 memory-mapped checkpoint, so touched file pages count towards RSS (and
@@ -78,14 +78,11 @@ def test_read_ahead_hints_each_input_tensor_once_and_changes_nothing(
 MEASURE = r"""
 import gc, json, sys, threading, time
 import yaml
-from mergekit.architecture import get_architecture_info
 from mergekit.config import MergeConfiguration
-from mergekit.io.tasks import LoaderCache
-from mergekit.merge import _model_out_config
 from mergekit.options import MergeOptions
-from mergekit.plan import MergePlanner
 
-import mergekit_ram.integration.statistics as planning
+import mergekit_ram
+from mergekit_ram.integration.statistics import collect_planned, plan_merges
 
 
 def anon_kib():
@@ -96,52 +93,25 @@ def anon_kib():
     raise RuntimeError("no RssAnon in /proc/self/status")
 
 
+def sample():
+    while not stop.is_set():
+        peak.append(anon_kib())
+        time.sleep(0.002)
+
+
 with open(sys.argv[1], encoding="utf-8") as handle:
     config = MergeConfiguration.model_validate(yaml.safe_load(handle))
 options = MergeOptions(quiet=True)
-arch = get_architecture_info(config, options)
-LoaderCache().setup(options=options)
-for model in config.referenced_models():
-    LoaderCache().get(model)
-planner = MergePlanner(
-    config, arch, options=options, out_model_config=_model_out_config(config, arch)
-)
-
-result = {}
-original = planning.collect_planned
-
-
-def measured(*args, **kwargs):
-    gc.collect()
-    baseline = anon_kib()
-    peak = [baseline]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], anon_kib())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        stats = original(*args, **kwargs)
-    finally:
-        stop.set()
-        sampler.join()
-    peak[0] = max(peak[0], anon_kib())
-    result.update(
-        baseline_kib=baseline,
-        peak_kib=peak[0],
-        num_elements=stats.num_elements,
-        num_tensors=stats.num_tensors,
-        tasks=len(stats.tasks),
-    )
-    return stats
-
-
-planning.collect_planned = measured
-planner._plan()
+merges = plan_merges(config, options)
+gc.collect()
+peak, stop = [anon_kib()], threading.Event()
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+stats = collect_planned(merges, options, epsilon=1e-5)
+stop.set()
+sampler.join()
+result = dict(baseline_kib=peak[0], peak_kib=max(*peak, anon_kib()))
+result.update(num_elements=stats.num_elements, tasks=len(stats.tasks))
 print(json.dumps(result))
 """
 

@@ -82,14 +82,17 @@ def assert_statistics(doc, paths, base, tasks, *, r, alpha, saturation, lambdas)
         assert row["scale"] == pytest.approx(lambdas[t], rel=1e-12), path
 
 
-def local_lambdas(base, tasks, **rule):
-    """λ per tensor (tensor-local statistics), by the reference's own formulas."""
-    per_tensor = reference.counts(base, tasks, EPSILON)
-    out = {}
-    for name, entry in per_tensor.items():
-        C, S, U, _ = reference.csu({name: entry}, len(tasks))
-        out[name] = [reference.lam(C[t], S[t], U[t], **rule) for t in range(len(tasks))]
-    return out
+def assert_reference(family, out, settings, base, tasks):
+    """The merge in `out` equals the reference's global RAM+ of `base` and
+    `tasks`, and its ram_statistics.json the reference's whole-model counts;
+    returns the merged state, that document and the reference's λ."""
+    expected, lambdas = reference.merge(base, tasks, **settings)
+    merged = merged_state(out)
+    assert_same_state(merged, expected)
+    doc = read_json(out / STATISTICS_FILE)
+    paths = [family.paths[n] for n in family.tasks]
+    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    return merged, doc, lambdas
 
 
 CASES = {
@@ -117,22 +120,13 @@ def test_global_ramplus_equals_reference(
     base = family.state("base")
     tasks = family.task_states()
     assert all(t.dtype == getattr(torch, dtype) for t in base.values())
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
-    assert_same_state(merged, expected)
+    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
     assert all(lam > 1 for lam in lambdas)
 
-    # The family is built so that tensor-local statistics would give other λ
-    # and another model: the global scope is what was computed.
-    local = local_lambdas(base, tasks, **settings)
-    for t in range(len(tasks)):
-        assert max(abs(lams[t] - lambdas[t]) for lams in local.values()) > 1e-3
+    # The family is built so that tensor-local statistics would give another
+    # model: the global scope is what was computed.
     tensor_scope, _ = reference.merge(base, tasks, statistics="tensor", **settings)
     assert any(not torch.equal(tensor_scope[k], merged[k]) for k in merged)
-
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
 
 
 def test_tied_embeddings_counted_once(model_family, tmp_path):
@@ -144,14 +138,8 @@ def test_tied_embeddings_counted_once(model_family, tmp_path):
     out = run(family.yaml("ramplus", parameters=written(settings)), tmp_path / "out")
 
     tasks = family.task_states()
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
+    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
     assert "lm_head.weight" not in merged
-    assert_same_state(merged, expected)
-    doc = read_json(out / STATISTICS_FILE)
-    assert doc["num_tensors"] == len(base)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
 
     # Counting the shared matrix a second time (as lm_head) changes λ here,
     # so the test would notice a double count.
@@ -218,12 +206,7 @@ def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
     base = permuted("base")
     tasks = [permuted(n) for n in family.tasks]
     assert base["model.embed_tokens.weight"].shape[0] == len(order)
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    merged = merged_state(out)
-    assert_same_state(merged, expected)
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    _, doc, _ = assert_reference(family, out, settings, base, tasks)
 
     # Without the permutation the shuffled model would look changed almost
     # everywhere in its vocabulary rows.
@@ -258,12 +241,7 @@ def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
 
     base = family.state("base")
     tasks = family.task_states()
-    expected, lambdas = reference.merge(base, tasks, **settings)
-    assert_same_state(merged_state(out), expected)
-
-    doc = read_json(out / STATISTICS_FILE)
-    paths = [family.paths[n] for n in family.tasks]
-    assert_statistics(doc, paths, base, tasks, lambdas=lambdas, **settings)
+    merged, doc, _ = assert_reference(family, out, settings, base, tasks)
     rows = {row["model"]: row for row in doc["tasks"]}
 
     inside = rows[family.paths["inside"]]
@@ -286,7 +264,7 @@ def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
     changed_scale, _ = reference.merge(
         base, tasks, unique_scale=[None, None, 5.0, None], **settings
     )
-    assert_same_state(changed_scale, expected)
+    assert_same_state(changed_scale, merged)
 
 
 def test_single_task_model(family_f32, tmp_path):
@@ -400,58 +378,38 @@ def test_ram_has_no_pass_and_matches_stock(family_f32, tmp_path, monkeypatch):
     assert any(not torch.equal(plus[k], merged[k]) for k in merged)
 
 
-def test_explicit_unique_scale_skips_pass(family_f32, tmp_path, monkeypatch):
-    calls = _no_pass(monkeypatch)
-    family = family_f32
-    scales = [1.5, 1.25, 2.0]
-    text = family.yaml(
-        "ramplus",
-        parameters=dict(CASES["clip"]),
-        model_parameters={
-            name: {"unique_scale": s} for name, s in zip(family.tasks, scales)
-        },
-    )
-    out = run(text, tmp_path / "out")
-    assert not calls
-    assert not (out / STATISTICS_FILE).exists()
-    base = family.state("base")
-    tasks = family.task_states()
-    expected, _ = reference.merge(base, tasks, unique_scale=scales, **CASES["clip"])
-    assert_same_state(merged_state(out), expected)
-
-
-def test_partial_unique_scale_counts_the_rest(family_f32, tmp_path):
+@pytest.mark.parametrize("given", [[1.5, 1.25, 2.0], [1.75, None, None]])
+def test_explicit_unique_scale_skips_the_pass_or_counts_the_rest(
+    given, family_f32, tmp_path, monkeypatch
+):
+    calls = _no_pass(monkeypatch) if None not in given else None
     family = family_f32
     settings = CASES["soft"]
-    explicit = 1.75
     text = family.yaml(
         "ramplus",
         parameters=written(settings),
-        model_parameters={family.tasks[0]: {"unique_scale": explicit}},
+        model_parameters={
+            name: {"unique_scale": s}
+            for name, s in zip(family.tasks, given)
+            if s is not None
+        },
     )
     out = run(text, tmp_path / "out")
     base = family.state("base")
     tasks = family.task_states()
-    expected, lambdas = reference.merge(
-        base, tasks, unique_scale=[explicit, None, None], **settings
-    )
+    expected, lambdas = reference.merge(base, tasks, unique_scale=given, **settings)
     assert_same_state(merged_state(out), expected)
-    doc = read_json(out / STATISTICS_FILE)
-    rows = {row["model"]: row for row in doc["tasks"]}
-    assert rows[family.paths[family.tasks[0]]]["scale"] == explicit
+    if calls is not None:
+        assert not calls
+        assert not (out / STATISTICS_FILE).exists()
+        return
+    rows = {row["model"]: row for row in read_json(out / STATISTICS_FILE)["tasks"]}
+    assert rows[family.paths[family.tasks[0]]]["scale"] == given[0]
     for t, name in enumerate(family.tasks[1:], start=1):
         assert rows[family.paths[name]]["scale"] == pytest.approx(lambdas[t], rel=1e-12)
 
 
-def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypatch):
-    passes = []
-    original = mergekit_ram.integration.statistics.collect_planned
-
-    def counted(*args, **kwargs):
-        passes.append(args)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(mergekit_ram.integration.statistics, "collect_planned", counted)
+def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path):
     family = family_f32
     text = family.yaml("ramplus")
     config = MergeConfiguration.model_validate(yaml.safe_load(text))
@@ -461,7 +419,6 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path, monkeypa
 
     out = tmp_path / "out"
     mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
-    assert len(passes) == 1  # one statistics pass per merge
 
     # The caller's configuration is not rewritten (models -> modules/slices).
     assert config.model_dump() == before

@@ -80,11 +80,8 @@ def merge_run() -> Iterator[MergeRun]:
         return
     with workers() as pool:
         run = MergeRun(workers=pool)
-        token = _CURRENT.set(run)
-        try:
+        with running(run):
             yield run
-        finally:
-            _CURRENT.reset(token)
 
 
 @contextmanager

@@ -38,12 +38,16 @@ def _incompatible(what: str) -> IncompatibleMergekit:
     )
 
 
-def _wrapped(owner: Any, name: str, what: str) -> Callable | None:
-    """`owner.name`, or None when it is already ours; refuses a missing one."""
+def _patch(owner: Any, name: str, what: str, wrap: Callable) -> None:
+    """Replace `owner.name` by `wrap(owner.name)`, marked as ours (a no-op
+    when it already is); refuses a missing one."""
     current = getattr(owner, name, None)
     if not callable(current):
         raise _incompatible(f"{what} is missing")
-    return None if hasattr(current, "__mergekit_ram__") else current
+    if not hasattr(current, "__mergekit_ram__"):
+        patched = wrap(current)
+        patched.__mergekit_ram__ = current
+        setattr(owner, name, patched)
 
 
 def register_methods() -> None:
@@ -73,16 +77,11 @@ def register_methods() -> None:
 
 def patch_planner(plan: ModuleType) -> None:
     """Wrap MergePlanner._plan / plan_to_disk for whole-model statistics."""
-    from mergekit_ram.integration.statistics import (
-        patched_plan,
-        patched_plan_to_disk,
-    )
+    from mergekit_ram.integration.statistics import patched_plan, patched_plan_to_disk
 
     planner = getattr(plan, "MergePlanner", None)
     for name, wrap in (("_plan", patched_plan), ("plan_to_disk", patched_plan_to_disk)):
-        original = _wrapped(planner, name, f"MergePlanner.{name}")
-        if original is not None:
-            setattr(planner, name, wrap(original))
+        _patch(planner, name, f"MergePlanner.{name}", wrap)
 
 
 def patch_card(merge: ModuleType, card_section: CardSection) -> None:
@@ -94,39 +93,39 @@ def patch_card(merge: ModuleType, card_section: CardSection) -> None:
     from mergekit_ram.integration.context import current_run
     from mergekit_ram.integration.methods import is_ours
 
-    original = _wrapped(merge, "generate_card", "mergekit.merge.generate_card")
-    if original is None:
-        return
-    card_module = sys.modules[original.__module__]
-    lookup = getattr(card_module, "is_hf", None)
-    if not callable(lookup):
-        raise _incompatible("mergekit.card.is_hf is missing")
+    def local_is_hf(lookup: Callable) -> Callable:
+        def is_hf(path: str) -> bool:
+            # mergekit asks the hub whether a local folder named like a hub
+            # id (`in/base`) is also a repository, to link it: offline that
+            # fails after the whole merge, a silent hub stalls it. For a RAM
+            # merge a path that exists here is the folder the merge read.
+            if current_run() is not None and os.path.exists(path):
+                return False
+            return lookup(path)  # other methods keep mergekit's behaviour
 
-    def is_hf(path: str) -> bool:
-        # mergekit asks the hub whether a local folder named like a hub id
-        # (`in/base`) is also a repository, to link it: offline that fails
-        # after the whole merge, a silent hub stalls it. For a RAM merge a
-        # path that exists here is the folder the merge read, never a hub id.
-        if current_run() is not None and os.path.exists(path):
-            return False
-        return lookup(path)  # other methods keep mergekit's behaviour
+        return is_hf
 
-    def generate_card(config, config_yaml, name=None):
-        ours = is_ours(config.merge_method)
-        run = current_run()
-        if run is not None and run.card_name is not None:
-            name = run.card_name  # OUT's name, not our staging folder's
-        if ours:
-            config = in_config_order(config)
-        card = original(config=config, config_yaml=config_yaml, name=name)
-        if ours:
-            card = described_card(card, config, run.values if run is not None else {})
-        return card if run is None else card + card_section(run)
+    def described(original: Callable) -> Callable:
+        def generate_card(config, config_yaml, name=None):
+            ours = is_ours(config.merge_method)
+            run = current_run()
+            if run is not None and run.card_name is not None:
+                name = run.card_name  # OUT's name, not our staging folder's
+            if ours:
+                config = in_config_order(config)
+            card = original(config=config, config_yaml=config_yaml, name=name)
+            if ours:
+                values = run.values if run is not None else {}
+                card = described_card(card, config, values)
+            return card if run is None else card + card_section(run)
 
-    is_hf.__mergekit_ram__ = lookup
-    generate_card.__mergekit_ram__ = original
-    card_module.is_hf = is_hf
-    merge.generate_card = generate_card
+        return generate_card
+
+    original = getattr(merge, "generate_card", None)
+    _patch(merge, "generate_card", "mergekit.merge.generate_card", described)
+    if not hasattr(original, "__mergekit_ram__"):  # mergekit.card's, patched now
+        card = sys.modules[original.__module__]
+        _patch(card, "is_hf", "mergekit.card.is_hf", local_is_hf)
 
 
 def patch_run_merge(merge: ModuleType) -> None:
@@ -138,10 +137,8 @@ def patch_run_merge(merge: ModuleType) -> None:
     """
     from mergekit_ram.integration.publishing import guarded_run_merge
 
-    original = _wrapped(merge, "run_merge", "mergekit.merge.run_merge")
-    if original is None:
-        return
-    merge.run_merge = guarded_run_merge(original)
+    original = getattr(merge, "run_merge", None)
+    _patch(merge, "run_merge", "mergekit.merge.run_merge", guarded_run_merge)
     for name, module in list(sys.modules.items()):
         bound = getattr(module, "__dict__", {}).get("run_merge")
         if name.startswith("mergekit.") and bound is original:
@@ -175,7 +172,7 @@ def install(eager: bool, card_section: CardSection) -> None:
         ("mergekit.merge", patch_run_merge),
     )
     for index, (module, apply) in enumerate(patches):
-        loaded = module in sys.modules and not autoload.loading(module)
+        loaded = module in sys.modules and module not in autoload.LOADING
         if loaded or eager or index == 0:
             # sys.modules first: a module whose import just finished is not yet
             # an attribute of its package, and `import a.b` would fail on it.

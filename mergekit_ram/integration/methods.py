@@ -46,11 +46,7 @@ from mergekit_ram.core.counting import OverlapStatistics, TaskCounts
 from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.modes import ties_merge_tensor, unique_merge_tensor
 from mergekit_ram.core.rule import MergeSettings, ScaleRule
-from mergekit_ram.integration.context import (
-    MergeRun,
-    current_run,
-    running,
-)
+from mergekit_ram.integration.context import MergeRun, current_run, running
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 
@@ -66,10 +62,7 @@ def _no_bool(value: Any) -> Any:
 # (integration.validation) report its pydantic errors as they are.
 # Finiteness is checked before the sign, so NaN is reported as NaN.
 NonNegative = Annotated[
-    float,
-    BeforeValidator(_no_bool),
-    Field(allow_inf_nan=False),
-    Field(ge=0),
+    float, BeforeValidator(_no_bool), Field(allow_inf_nan=False), Field(ge=0)
 ]
 # A fraction in [0, 1] (density).
 Fraction = Annotated[NonNegative, Field(le=1)]
@@ -84,27 +77,25 @@ class RAMMerge(GroupMergeMethod):
     def _execute(
         self,
         groups: Sequence[TensorGroup],
-        parameters: list[dict[str, Any]],
-        options: Any,
-        *,
-        input_dtypes: Sequence[torch.dtype | None],
-        out_dtype: torch.dtype | None = None,
+        parameters: list[dict],
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, ...]:
         """mergekit casts a method's result to out_dtype after merge_group; the
         kernel gets it instead, so the float32 result is rounded only once.
         Global RAM+ without λ (mergekit's in-memory merge_tensors and
         merge_state_dicts; a config merge's planner hook passes λ) counts
         every group of the call first: the call's inputs are the whole model."""
-        parameters = [{**p, "out_dtype": out_dtype} for p in parameters]
-        if any(_needs_statistics(p) for p in parameters):
-            parameters = _whole_call_scales(groups, parameters, input_dtypes)
-        return super()._execute(
-            groups,
-            parameters,
-            options,
-            input_dtypes=input_dtypes,
-            out_dtype=out_dtype,
-        )
+        parameters = [{**p, "out_dtype": kwargs.get("out_dtype")} for p in parameters]
+        # Global RAM+ with some task model's λ still unknown.
+        if any(
+            p["statistics"] == "global"
+            and p["r"] > 0
+            and None in p["unique_scale"].values()
+            for p in parameters
+        ):
+            parameters = _whole_call_scales(groups, parameters, kwargs["input_dtypes"])
+        return super()._execute(groups, parameters, *args, **kwargs)
 
     def merge_group(
         self,
@@ -188,12 +179,6 @@ class RAMMerge(GroupMergeMethod):
         return merged
 
 
-def _needs_statistics(parameters: dict[str, Any]) -> bool:
-    """Global RAM+ with some task model's λ still unknown."""
-    unknown = None in parameters["unique_scale"].values()
-    return parameters["statistics"] == "global" and parameters["r"] > 0 and unknown
-
-
 def _whole_call_scales(
     groups: Sequence[TensorGroup],
     parameters: list[dict[str, Any]],
@@ -210,22 +195,21 @@ def _whole_call_scales(
             for model, value in params["unique_scale"].items():
                 explicit.setdefault(model, value)
             group = align_dtype(group, dtype)
-            if from_base(group.base.tensor.dtype):
-                continue
             base = group.base.tensor
-            inputs = {entry.id: entry.tensor for entry in group.non_base}
-            nonfinite = params["nonfinite"]
-            stats.add(
-                name, base, finite_inputs(name, group.base.id, base, inputs, nonfinite)
-            )
+            if not from_base(base.dtype):
+                inputs = {entry.id: entry.tensor for entry in group.non_base}
+                rule = params["nonfinite"]
+                stats.add(
+                    name, base, finite_inputs(name, group.base.id, base, inputs, rule)
+                )
     scales = stats.scales(settings.rule, explicit)
     return [
         {
             **params,
             "unique_scale": PerInputValues(
                 [
-                    (model, scales.get(model, 1.0) if value is None else value)
-                    for model, value in params["unique_scale"].items()
+                    (m, scales.get(m, 1.0) if v is None else v)
+                    for m, v in params["unique_scale"].items()
                 ]
             ),
         }

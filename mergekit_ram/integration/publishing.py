@@ -107,5 +107,4 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
                     check,
                 )
 
-    run_merge.__mergekit_ram__ = original
     return run_merge

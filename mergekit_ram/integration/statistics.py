@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,10 +37,7 @@ from mergekit.plan import MergePlanner
 from pydantic import PrivateAttr
 
 from mergekit_ram.core.checks import finite_inputs
-from mergekit_ram.core.counting import (
-    OverlapStatistics,
-    group_tensors,
-)
+from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration.checkpoints import safetensors_spans
 from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
@@ -57,9 +54,7 @@ STATISTICS_FILE = "ram_statistics.json"
 
 
 def statistics_document(
-    settings: MergeSettings,
-    stats: OverlapStatistics,
-    scales: Mapping[Hashable, float],
+    settings: MergeSettings, stats: OverlapStatistics, scales: Mapping[Hashable, float]
 ) -> dict[str, Any]:
     """The content of ram_statistics.json; a task's rho is null when it has
     shared but no unique elements (ρ = ∞)."""
@@ -108,6 +103,9 @@ def strict_json(value: Any) -> Any:
 
 # --- the pass ------------------------------------------------------------------
 
+# (file, first byte, length) of one tensor's data.
+Span = tuple[str, int, int]
+
 
 def _count_task(
     stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
@@ -136,11 +134,12 @@ def _count_task(
         finite_inputs(name, task.base_model, base, inputs, nonfinite)
 
 
-def reversed_groups(
-    schedule: ExecutionSchedule, targets: Sequence[TaskHandle]
-) -> ExecutionSchedule:
-    """`schedule` with its targets in reverse order, each right after the
-    tasks it needs that have not run yet (in their scheduled order).
+class BackwardExecutor(Executor):
+    """mergekit's executor, its groups walked in the reverse of the merge's
+    order: each target right after the tasks it needs that have not run yet
+    (in their scheduled order). `forward` keeps the merge's order of targets;
+    `ahead` holds, per group in the walk's order, where the tensors it loads
+    lie on disk (safetensors shards only), for the read-ahead.
 
     mergekit schedules the pass's groups as it schedules the merge's (by
     tensor name). Where the inputs exceed memory, a pass in the merge's order
@@ -149,35 +148,31 @@ def reversed_groups(
     reads are the merge's first. Each value is still dropped after its last
     use, so about one group stays resident.
     """
-    position = {handle: index for index, handle in enumerate(schedule.tasks)}
-    order: list[TaskHandle] = []
-    placed: set[TaskHandle] = set()
-    for target in sorted(targets, key=position.__getitem__, reverse=True):
-        needed: list[TaskHandle] = []
-        pending = [target]
-        while pending:
-            handle = pending.pop()
-            if handle not in placed:
-                placed.add(handle)
-                needed.append(handle)
-                pending.extend(handle.arguments().values())
-        order += sorted(needed, key=position.__getitem__)
-    last_use = {handle: index for index, handle in enumerate(order)}
-    for index, handle in enumerate(order):
-        for argument in handle.arguments().values():
-            last_use[argument] = index
-    return ExecutionSchedule(tasks=order, last_use_index=last_use)
-
-
-class BackwardExecutor(Executor):
-    """mergekit's executor, its groups walked in the reverse of the merge's
-    order (`reversed_groups`); `forward` keeps the merge's order of targets."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        targets = set(self.targets)
-        self.forward = [h.task() for h in self.schedule.tasks if h in targets]
-        self.schedule = reversed_groups(self.schedule, self.targets)
+        position = {handle: index for index, handle in enumerate(self.schedule.tasks)}
+        targets = sorted(self.targets, key=position.__getitem__)
+        self.forward = [handle.task() for handle in targets]
+        self.ahead: list[list[Span]] = []
+        order: list[TaskHandle] = []
+        placed: set[TaskHandle] = set()
+        headers: dict[str, dict[str, tuple[int, int]]] = {}
+        for target in reversed(targets):
+            needed, pending = [], [target]
+            while pending:
+                handle = pending.pop()
+                if handle not in placed:
+                    placed.add(handle)
+                    needed.append(handle)
+                    pending.extend(handle.arguments().values())
+            order += sorted(needed, key=position.__getitem__)
+            self.ahead.append([s for h in needed if (s := _span(h.task(), headers))])
+        last_use = {handle: index for index, handle in enumerate(order)}
+        for index, handle in enumerate(order):
+            for argument in handle.arguments().values():
+                last_use[argument] = index
+        self.schedule = ExecutionSchedule(tasks=order, last_use_index=last_use)
 
 
 def collect_planned(
@@ -212,7 +207,7 @@ def collect_planned(
     )
     # The next group's bytes are read ahead, from a helper thread, while one
     # is counted.
-    ahead = spans_per_group(executor.schedule, set(executor.targets)) + [[]]
+    ahead = [*executor.ahead, []]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead") as worker:
         worker.submit(read_ahead, ahead[0])
         groups = executor.run(quiet=options.quiet, desc=desc)
@@ -238,59 +233,35 @@ def collect_planned(
 def count_planned(
     merges: list[Any],
     settings: MergeSettings,
-    explicit: dict[Any, Any],
+    explicit: dict,
     options: Any,
-    desc: str = "RAM+ statistics",
-    inner_products: bool = False,
+    **kwargs: Any,
 ) -> tuple[OverlapStatistics, dict[Any, float]]:
-    """Run the statistics engine over planned tasks; λ per model, explicit first."""
-    stats = collect_planned(
-        merges,
-        options,
-        epsilon=settings.epsilon,
-        desc=desc,
-        inner_products=inner_products,
-    )
+    """Run the statistics engine over planned tasks (`collect_planned`'s
+    keywords); λ per model, explicit first."""
+    stats = collect_planned(merges, options, epsilon=settings.epsilon, **kwargs)
     return stats, stats.scales(settings.rule, explicit)
 
 
-# --- reading ahead ------------------------------------------------------------
-
-
-# (file, first byte, length) of one tensor's data.
-Span = tuple[str, int, int]
-
-
-def spans_per_group(
-    schedule: ExecutionSchedule, targets: Collection[TaskHandle]
-) -> list[list[Span]]:
-    """Per target, in the schedule's order, where the tensors its group loads
-    lie on disk (safetensors shards only): the pass runs each target right
-    after what it needs, so a group's loads are those since the previous one."""
-    headers: dict[str, dict[str, tuple[int, int]]] = {}
-    groups: list[list[Span]] = [[]]
-    for handle in schedule.tasks:
-        task = handle.task()
-        if isinstance(task, LoadTensor):
-            loader = LoaderCache().get(task.model)
-            # The name the load itself will read (its own, an alias or a tied name).
-            name = task._resolve_name(loader)
-            path = name and os.path.join(
-                loader.index.base_path, loader.index.tensor_paths[name]
-            )
-            if path and path.endswith(".safetensors") and path not in headers:
-                try:
-                    headers[path] = safetensors_spans(path)
-                # Not the safetensors it claims to be: no hint (validation
-                # refuses truncated and corrupt files before a pass).
-                except (OSError, ValueError, KeyError, TypeError):
-                    headers[path] = {}
-            where = headers.get(path, {}).get(name)
-            if where is not None:
-                groups[-1].append((path, *where))
-        if handle in targets:
-            groups.append([])
-    return groups[:-1]
+def _span(task: Task, headers: dict[str, dict[str, tuple[int, int]]]) -> Span | None:
+    """Where the tensor a load reads (its own, an alias or a tied name) lies
+    in its safetensors shard; None for any other task or file."""
+    if not isinstance(task, LoadTensor):
+        return None
+    loader = LoaderCache().get(task.model)
+    name = task._resolve_name(loader)
+    path = name and os.path.join(
+        loader.index.base_path, loader.index.tensor_paths[name]
+    )
+    if path and path.endswith(".safetensors") and path not in headers:
+        try:
+            headers[path] = safetensors_spans(path)
+        # Not the safetensors it claims to be: no hint (validation refuses
+        # truncated and corrupt files before a pass).
+        except (OSError, ValueError, KeyError, TypeError):
+            headers[path] = {}
+    where = headers.get(path, {}).get(name)
+    return None if where is None else (path, *where)
 
 
 def read_ahead(spans: Sequence[Span]) -> None:
@@ -298,11 +269,8 @@ def read_ahead(spans: Sequence[Span]) -> None:
     use (posix_fadvise WILLNEED; best effort, nothing on Windows)."""
     for path, start, length in spans:
         try:
-            descriptor = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(descriptor, start, length, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(descriptor)
+            with open(path, "rb") as file:
+                os.posix_fadvise(file.fileno(), start, length, os.POSIX_FADV_WILLNEED)
         except (OSError, AttributeError):
             continue
 
@@ -348,24 +316,9 @@ def with_scales(task: Any, scales: dict[Any, float]) -> Any:
     return task.model_copy(update={"input_parameters": immutables.Map(params)})
 
 
-def rescales(merges: list[Any]) -> bool:
-    """Whether some planned merge may scale unique elements by λ ≠ 1."""
-    return any(
-        task.parameters.get("r", 0) > 0
-        or any(
-            params.get("unique_scale") not in (None, 1.0)
-            for params in task.input_parameters.values()
-        )
-        for task in merges
-    )
-
-
 class _Planned(Exception):
-    """Stops mergekit's run_merge once it has planned (`plan_merges`)."""
-
-    def __init__(self, merges: list[Any]) -> None:
-        super().__init__("planned")
-        self.merges = merges
+    """Stops mergekit's run_merge once it has planned (`plan_merges`); its
+    one argument: the planned merge tasks."""
 
 
 def patched_plan(original):
@@ -382,7 +335,9 @@ def patched_plan(original):
         # Every rule on the resolved parameters, once, before any weight is read.
         settings, explicit = check_plan(merges, run.findings)
         run.values = resolved_values(merges)
-        run.tally = SurvivalTally() if rescales(merges) else None
+        # A tally when some unique element may be scaled by λ ≠ 1.
+        scaled = any(v not in (None, 1.0) for v in explicit.values())
+        run.tally = SurvivalTally() if scaled or max(run.values["r"]) > 0 else None
         if settings.needs_pass(explicit.keys(), explicit):
             stats, scales = count_planned(
                 merges,
@@ -399,7 +354,6 @@ def patched_plan(original):
             for w, t in self._tensors
         ]
 
-    _plan.__mergekit_ram__ = original
     return _plan
 
 
@@ -416,7 +370,6 @@ def patched_plan_to_disk(original):
         write._run = run
         return tasks + [write]
 
-    plan_to_disk.__mergekit_ram__ = original
     return plan_to_disk
 
 
@@ -441,7 +394,7 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
         try:
             run_merge(config, "", options)
         except _Planned as planned:
-            return planned.merges
+            return planned.args[0]
         finally:
             run.plan_only = False
     return []
