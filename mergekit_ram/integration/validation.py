@@ -234,9 +234,8 @@ def _check_list(
                 "base model may appear once among the models)."
             )
     seen: dict[str, tuple[str, str]] = {}
-    entries = [(_item(label, i), m.model.path) for i, m in enumerate(models)]
     for where, path in [("base_model", base.model.path)] + [
-        entry for entry, m in zip(entries, models) if m != base
+        (_item(label, i), m.model.path) for i, m in enumerate(models) if m != base
     ]:
         key = os.path.realpath(path) if os.path.exists(path) else path
         if key in seen:
