@@ -52,21 +52,14 @@ def test_examples_cover_the_documented_modes():
     ]
 
 
-def test_ram_runs_no_statistics_pass(workdir, monkeypatch):
-    assert merge_example("ram.yml", workdir, monkeypatch) is None
+NO_PASS = "ram ram_ties ram_unique ramplus_tensor_local ramplus_explicit_scale"
 
 
-@pytest.mark.parametrize("name", ["ram_ties.yml", "ram_unique.yml"])
-def test_authors_modes_run_no_statistics_pass(name, workdir, monkeypatch):
+@pytest.mark.parametrize("name", [f"{name}.yml" for name in NO_PASS.split()])
+def test_examples_without_whole_model_statistics_run_no_pass(
+    name, workdir, monkeypatch
+):
     assert merge_example(name, workdir, monkeypatch) is None
-
-
-def test_tensor_local_runs_no_statistics_pass(workdir, monkeypatch):
-    assert merge_example("ramplus_tensor_local.yml", workdir, monkeypatch) is None
-
-
-def test_explicit_scales_skip_the_pass(workdir, monkeypatch):
-    assert merge_example("ramplus_explicit_scale.yml", workdir, monkeypatch) is None
 
 
 @pytest.mark.parametrize(

@@ -107,18 +107,6 @@ def mergekit_yaml(config: Path, out: Path, plugin: bool = True):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_stock_mergekit_yaml_exits_2_without_traceback(family_f32, tmp_path):
-    """Stock mergekit-yaml validates too (the autoload hook wraps run_merge),
-    and a RAMInputError raised inside mergekit's run_merge reaches click."""
-    path = tmp_path / "negative.yml"
-    path.write_text(family_f32.yaml("ramplus", parameters={"r": -1}))
-    done = mergekit_yaml(path, tmp_path / "out")
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    message = "Error: parameters.r: Input should be greater than or equal to 0"
-    assert message in done.stderr
-    assert not (tmp_path / "out" / "model.safetensors").exists()
-
-
 def test_stock_mergekit_yaml_refuses_a_key_written_twice(family_f32, tmp_path):
     """mergekit-yaml's safe_load keeps the last `parameters:`; the wrapper
     reads the text it was given again and refuses the repeat."""

@@ -19,6 +19,7 @@ would fail with a traceback deep in the merge, or hang on a named pipe.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -53,9 +54,6 @@ REASON_LIMIT = 300  # characters of a library's error shown in ours
 KINDS = (
     (stat.S_ISDIR, "a folder"),
     (stat.S_ISFIFO, "a named pipe (FIFO), which would block the merge forever"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
 )
 
 
@@ -226,15 +224,11 @@ def check_models(
 
     from mergekit_ram.core.checks import check_layout, from_base, uncomputable
 
-    names: list[Collection[str] | None] = []
+    names = functools.cache(read or (lambda: None))  # read once, if at all
 
     def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
         problem = uncomputable(tensor.dtype) if tensor.dtype else "has no torch dtype"
-        if problem is None:
-            return
-        if read is not None and not names:
-            names.append(read())
-        if names and names[0] is not None and name not in names[0]:
+        if problem is None or name not in (names() or (name,)):
             return
         raise RAMInputError(
             f"Tensor {name} of {role} {path} ({tensor.file}) is stored as "
@@ -291,27 +285,9 @@ def _missing(
 # --- folders by identity, and the files a model reads ---------------------------
 
 
-def identity(path: str) -> str:
-    """A local path resolved (symlinks, `..`); a hub id as written."""
-    return os.path.realpath(path) if os.path.exists(path) else path
-
-
 def inside(path: str, folder: str) -> bool:
     """Whether resolved `path` is `folder` or lies below it."""
     return os.path.commonpath([path, folder]) == folder
-
-
-def first_duplicate(
-    entries: Sequence[tuple[str, str]],
-) -> tuple[tuple[str, str], tuple[str, str]] | None:
-    """The first (label, path) whose path names the same folder as an earlier one."""
-    seen: dict[str, tuple[str, str]] = {}
-    for label, path in entries:
-        key = identity(path)
-        if key in seen:
-            return seen[key], (label, path)
-        seen[key] = (label, path)
-    return None
 
 
 def read_files(folder: str) -> list[str]:

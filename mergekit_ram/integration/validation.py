@@ -42,7 +42,6 @@ from mergekit_ram.core.rule import MergeSettings, ScaleRule, unique_scale_error
 from mergekit_ram.integration.checkpoints import (
     WEIGHT_FILES,
     check_models,
-    first_duplicate,
     regular_file,
 )
 from mergekit_ram.integration.errors import UnknownMethod
@@ -233,17 +232,18 @@ def _check_list(
                 f"{_item(label, models.index(model))}. List each model once (the "
                 "base model may appear once among the models)."
             )
-    duplicate = first_duplicate(
-        [("base_model", base.model.path)]
-        + [(_item(label, i), m.model.path) for i, m in enumerate(models) if m != base]
-    )
-    if duplicate is not None:
-        (first, path), (where, again) = duplicate
-        raise RAMInputError(
-            f"{where}: {again} is the same folder as {first} {path} (after "
-            "resolving symlinks and '..'), so it would be counted twice. List "
-            "each model once, spelled the same way everywhere."
-        )
+    seen: dict[str, tuple[str, str]] = {}
+    for where, path in [("base_model", base.model.path)] + [
+        (_item(label, i), m.model.path) for i, m in enumerate(models) if m != base
+    ]:
+        key = os.path.realpath(path) if os.path.exists(path) else path
+        if key in seen:
+            raise RAMInputError(
+                f"{where}: {path} is the same folder as {' '.join(seen[key])} "
+                "(after resolving symlinks and '..'), so it would be counted "
+                "twice. List each model once, spelled the same way everywhere."
+            )
+        seen[key] = (where, path)
     if all(model == base for model in models):
         raise RAMInputError(
             f"{user} needs at least one task model besides the base model "
@@ -293,8 +293,11 @@ def check_location(path: str, role: str, *, model: bool = False) -> None:
             problem = "is (or lies under) a symlink loop"
         elif os.path.islink(path):
             problem = f"is a symlink to {os.readlink(path)}, which does not exist"
-        elif _hub_id(path):
-            return  # mergekit downloads it
+        else:
+            try:
+                return validate_repo_id(path)  # a hub id: mergekit downloads it
+            except HFValidationError:
+                pass
     relative = (
         ""
         if os.path.isabs(path)
@@ -304,14 +307,6 @@ def check_location(path: str, role: str, *, model: bool = False) -> None:
         f"{role}: {path} {problem}{relative}. Fix the path, or create the model "
         "there first."
     )
-
-
-def _hub_id(path: str) -> bool:
-    try:
-        validate_repo_id(path)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _check_model_folder(path: str, role: str) -> None:
@@ -681,24 +676,19 @@ def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
     return settings, {model: value for model, (value, _) in found.items()}
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max  # the kernel computes in float32
+
+
 def _check_range(merges: Iterable[Any]) -> None:
     """λ must fit the output dtype (and float32, the kernel's): a λ beyond it
     turns every unique element into ±Inf."""
-    checked = set()
     for task in merges:
         name = task.out_dtype or task.dtype or "float32"
         params = task.parameters
-        scales = tuple(
-            values.get("unique_scale") for values in task.input_parameters.values()
-        )
-        key = (name, params["r"], params["alpha"], params["saturation"], scales)
-        if key in checked:
-            continue
-        checked.add(key)
-        dtype = dtype_from_name(name)
-        limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-        rule = ScaleRule(r=params["r"], alpha=params["alpha"], saturation=key[3])
+        rule = ScaleRule(params["r"], params["alpha"], params["saturation"])
+        scales = [p.get("unique_scale") for p in task.input_parameters.values()]
         top = max([rule.limit(), *(s for s in scales if s is not None)])
+        limit = min(torch.finfo(dtype_from_name(name)).max, FLOAT32_MAX)
         if top > limit:
             raise RAMInputError(
                 f"r = {params['r']:g} with alpha = {params['alpha']:g} (or a "
