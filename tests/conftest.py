@@ -368,15 +368,24 @@ def family_bf16(model_family) -> Family:
     return model_family("bf16", dtype=torch.bfloat16, seed=1)
 
 
-def merge_yaml(text: str, out: Path) -> dict[str, torch.Tensor]:
-    """Merge a YAML config with mergekit_ram.run_merge; the written tensors."""
+def merge(config: dict, out: Path, **options) -> Path:
+    """Merge a configuration dict with mergekit_ram.run_merge (quiet)."""
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
 
     import mergekit_ram
 
-    config = MergeConfiguration.model_validate(yaml.safe_load(text))
-    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
+    mergekit_ram.run_merge(
+        MergeConfiguration.model_validate(config),
+        str(out),
+        MergeOptions(quiet=True, **options),
+    )
+    return out
+
+
+def merge_yaml(text: str, out: Path) -> dict[str, torch.Tensor]:
+    """Merge a YAML config with mergekit_ram.run_merge; the written tensors."""
+    merge(yaml.safe_load(text), out)
     return load_file(str(Path(out) / "model.safetensors"))
 
 

@@ -17,9 +17,7 @@ import reference
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import TaskSpec, read_json, words_for
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
+from conftest import TaskSpec, merge, read_json, words_for
 from safetensors.torch import load_file, save_file
 
 import mergekit_ram
@@ -55,15 +53,6 @@ def config_dict(family, method="ramplus", replace=None, **kwargs) -> dict:
             if entry["model"] == family.paths[task]:
                 entry["model"] = path
     return config
-
-
-def merge(config: dict, out: Path, **options) -> Path:
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, **options),
-    )
-    return out
 
 
 def count_kernel_calls(monkeypatch) -> list:

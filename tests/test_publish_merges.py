@@ -17,6 +17,7 @@ from pathlib import Path
 import mergekit.merge
 import pytest
 from click.testing import CliRunner
+from conftest import merge
 from faults import (
     EXITS,
     SIGNALS,
@@ -47,15 +48,6 @@ COMPLETE = {"config.json", "README.md", "mergekit_config.yml", "ram_statistics.j
 @pytest.fixture(scope="module")
 def family(model_family):
     return model_family("publishing", seed=21)
-
-
-def merge(config: dict, out: Path, **options) -> Path:
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(config),
-        str(out),
-        MergeOptions(quiet=True, **options),
-    )
-    return out
 
 
 def cli(*args: str, code: int = 0) -> str:
