@@ -423,7 +423,7 @@ def test_schema_document_matches_real_files(analyzed, merged):
 
 def test_cli_output_and_files(analyzed):
     _config, out, output, report = analyzed
-    titles = ["Per task", "k-way overlap", "Pairwise overlap (Jaccard)", "Per module"]
+    titles = ["Per task", "k-way overlap", "Per module"]
     titles += ["Per layer", "λ sweep over r", "Overlap against independent supports"]
     titles += ["Unique share and retention"]
     assert all(f"\n## {title}\n" in output for title in titles)
