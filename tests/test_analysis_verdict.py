@@ -249,50 +249,6 @@ def regimes() -> dict:
         return json.load(handle)["regimes"]
 
 
-# docs/analyze.md's table of what the verdict's advice rests on: (regime,
-# results.json row) → the table's merge column.
-MEASURED_ROWS = {
-    ("heterogeneous", "ram"): "RAM",
-    ("heterogeneous", "shared_ties"): "RAM, `shared: ties`",
-    ("homogeneous", "ram"): "RAM",
-    ("homogeneous", "ramplus_fp32"): "RAM+ written in float32",
-    ("homogeneous", "shared_ties"): "RAM, `shared: ties`",
-}
-BASELINES = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
-
-
-def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
-    """docs/analyze.md, "What the benchmark measured", quotes results.json
-    (rounded as cited), and the verdict links to that section."""
-    docs = (Path(__file__).parent.parent / "docs/analyze.md").read_text("utf-8")
-    assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
-    assert "\n## What the benchmark measured\n" in docs
-    rows = {
-        tuple(c.strip() for c in line.split("|")[1:-1]) for line in docs.split("\n")
-    }
-    found = regimes()
-    for (regime, row), merge in MEASURED_ROWS.items():
-        paired = found[regime]["paired"][row]
-        low, high = (round(100 * v, 1) for v in paired["ci95"])
-        cited = f"{round(100 * paired['difference'], 1):+.1f} [{low:+.1f}, {high:+.1f}]"
-        baseline = BASELINES[found[regime]["reference"]]
-        assert any(
-            r[0].startswith(regime) and r[1:] == (merge, baseline, cited)
-            for r in rows
-            if len(r) == 4
-        ), (regime, row, cited)
-    kept = found["heterogeneous"]["support"]["retention"]
-    assert (
-        f"RAM {kept['ram']['recall']:.2f}, RAM with `shared: ties` "
-        f"{kept['shared_ties']['recall']:.2f}."
-    ) in " ".join(docs.split())
-
-
-def probe_verdict(probe: dict):
-    """The verdict on a stored `analyze` report (report.json)."""
-    return judge(probe)
-
-
 @pytest.mark.parametrize(
     ("regime", "supports"),
     [("heterogeneous", "independent"), ("homogeneous", "overlapping")],
@@ -302,7 +258,7 @@ def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     one whose task RAM lost most accuracy on against the best tuned
     baseline, and every such agent is named."""
     block = regimes()[regime]
-    verdict = probe_verdict(block["probe"])
+    verdict = judge(block["probe"])
     assert verdict.supports == supports
     rows = block["rows"]
     loss = {
@@ -323,6 +279,9 @@ def test_docs_quote_the_verdicts_as_computed():
     stored report gives today."""
     page = Path(__file__).parent.parent / "docs/analyze.md"
     lines = page.read_text(encoding="utf-8").splitlines()
+    # The section the verdict's advice points to for its numbers.
+    assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
+    assert "## What the benchmark measured" in lines
     quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
     for block in regimes().values():
-        assert probe_verdict(block["probe"]).sentence in quoted
+        assert judge(block["probe"]).sentence in quoted
