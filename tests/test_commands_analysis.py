@@ -522,45 +522,37 @@ def pass_counter(monkeypatch):
     return calls
 
 
-def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter):
+@pytest.mark.parametrize(
+    ("method", "said"),
+    [
+        ("ramplus", "no extra pass"),  # the report from the merge's own pass
+        ("ram", "needed no whole-model statistics pass"),  # RAM: one for the report
+    ],
+)
+def test_merge_report_equals_analyze(models, tmp_path, pass_counter, method, said):
     root, paths = models
-    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
+    config = write_config(root, paths, method)
     merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
     output = invoke(*merge, "--quiet")
-    assert len(pass_counter) == 1  # the merge's own pass, nothing more
-    assert "no extra pass" in output
-    assert "## Per task" in output
+    assert len(pass_counter) == 1  # one pass for the merge and its report
+    assert said in output and "## Per task" in output
     assert (tmp_path / "merged" / "model.safetensors").exists()
-    merged_report = read(tmp_path / "rep" / "report.json")
-
+    report = read(tmp_path / "rep" / "report.json")
     invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
     assert len(pass_counter) == 2  # analyze: one pass, the hook did not run one
-    assert without_timing(without_survival(merged_report)) == without_timing(
+    assert without_timing(without_survival(report)) == without_timing(
         without_survival(read(tmp_path / "ana" / "report.json"))
     )
     assert sorted(os.listdir(tmp_path / "rep")) == sorted(os.listdir(tmp_path / "ana"))
-    statistics = read(tmp_path / "merged" / "ram_statistics.json")
-    assert statistics["tasks"] == [
-        {k: t[k] for k in statistics["tasks"][0]} for t in merged_report["tasks"]
-    ]
-
-
-def test_merge_report_without_a_pass_analyzes_once(models, tmp_path, pass_counter):
-    root, paths = models
-    config = write_config(root, paths, "ram")
-    merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
-    output = invoke(*merge, "--quiet")
-    assert "needed no whole-model statistics pass" in output
-    assert len(pass_counter) == 1
-    assert not (tmp_path / "merged" / "ram_statistics.json").exists()
-    report = read(tmp_path / "rep" / "report.json")
-    assert report["r"] == 0 and all(t["scale"] == 1.0 for t in report["tasks"])
-    # RAM: the report adds the paper's RAM+ r so the user sees the λ it would give.
-    assert [s["r"] for s in report["sweep"]] == [PAPER_R]
-    invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
-    assert without_timing(report) == without_timing(
-        read(tmp_path / "ana" / "report.json")
-    )
+    statistics = tmp_path / "merged" / "ram_statistics.json"
+    if method == "ramplus":
+        tasks = read(statistics)["tasks"]
+        assert tasks == [{k: t[k] for k in tasks[0]} for t in report["tasks"]]
+    else:
+        assert not statistics.exists()
+        assert report["r"] == 0 and all(t["scale"] == 1 for t in report["tasks"])
+        # RAM: the report adds the paper's RAM+ r so the user sees its λ.
+        assert [s["r"] for s in report["sweep"]] == [PAPER_R]
 
 
 def test_other_merge_method_uses_paper_defaults(models, tmp_path, analyzed):
@@ -675,21 +667,26 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_verdict_says_which_case_and_which_agent(case):
+def test_verdict_and_notes_say_which_case_and_which_agent(case):
+    """The verdict, and the notes on unique share and lift only for the cases
+    the numbers show."""
     name, family, output, report, markdown = case
-    verdict = report["verdict"]
+    verdict, text = report["verdict"], flat(output)
     sentence = verdict["sentence"]
-    assert f"**Verdict:** {sentence}" in flat(output)
+    assert f"**Verdict:** {sentence}" in text
     assert f"**Verdict:** {sentence}" in markdown
     assert verdict["supports"] == name
     assert sentence.startswith(f"supports {name} (")
     kept = {t["model"]: t["retention"]["ram"] for t in report["tasks"]}
     lift = [v for row in report["pairwise"]["lift"] for v in row]
+    piled = "changes pile up on elements other tasks change too"
     if name == "independent":
         assert all(1 / OVERLAPPING < v < OVERLAPPING for v in lift)
         assert verdict["diluted"] == [family.paths["coder"]]
         assert "RAM would dilute coder (it keeps " in sentence
         assert "try `shared: ties`" in sentence
+        assert piled not in text and f"lift ≥ {OVERLAPPING:g}" not in text
+        assert "lift ≈ 1: independent supports" in text
     elif name == "overlapping":
         assert min(v for v in lift if v != 1.0) >= OVERLAPPING
         # All three keep about half, within a few percent of each other.
@@ -697,30 +694,16 @@ def test_verdict_says_which_case_and_which_agent(case):
         assert verdict["diluted"][0] == min(kept, key=kept.__getitem__)
         assert "RAM would dilute every agent about equally" in sentence
         assert "try tuned task arithmetic / TIES / DARE" in sentence
+        labels = [t["label"] for t in report["tasks"]]
+        assert f"Far below expected for {', '.join(labels)}: their {piled}" in text
+        assert f"lift ≥ {OVERLAPPING:g}: overlapping supports" in text
+        assert "lift ≈ 1" not in text
     else:
         (pair,) = verdict["pairs"]
         assert pair["inside"] >= NESTED
         assert verdict["diluted"] == [family.paths["inner"]]
         assert "100 % of inner's changes lie inside wide's" in sentence
         assert "RAM would dilute inner (it keeps " in sentence
-
-
-def test_notes_only_where_the_numbers_say_them(case):
-    """The unique-share note and the meaning of lift appear only for the
-    cases the numbers show."""
-    name, _family, output, report, _markdown = case
-    text = flat(output)
-    piled = "changes pile up on elements other tasks change too"
-    if name == "independent":
-        assert piled not in text
-        assert "lift ≈ 1: independent supports" in text
-        assert f"lift ≥ {OVERLAPPING:g}" not in text
-    elif name == "overlapping":
-        labels = [t["label"] for t in report["tasks"]]
-        assert f"Far below expected for {', '.join(labels)}: their {piled}" in text
-        assert f"lift ≥ {OVERLAPPING:g}: overlapping supports" in text
-        assert "lift ≈ 1" not in text
-    else:
         assert "nested: at least 90 % of one agent's changes" in text
 
 
@@ -740,7 +723,7 @@ def test_unique_share_notes_name_only_the_tasks_far_from_expected():
 
 def test_the_verdict_does_not_advise_the_shared_mode_in_use(model_family, tmp_path):
     """The independent case is told to try `shared: ties`
-    (test_verdict_says_which_case_and_which_agent); the same agents merged
+    (test_verdict_and_notes_say_which_case_and_which_agent); the same agents merged
     with `shared: ties` are told it is in use."""
     family = model_family("verdict-independent", CASES["independent"])
     config = tmp_path / "ties.yml"
