@@ -94,45 +94,47 @@ def three(kept, lift=1.0, changed=(100, 100, 100), **options):
 def test_one_agent_diluted_alone_or_with_the_others():
     low = 0.6
     alone = three([low, low / ALONE * UP, 0.8])
-    assert alone.diluted == ("/m/a",)
-    assert "RAM would dilute a (it keeps 0.60 of its task vector" in alone.sentence
+    assert alone["diluted"] == ["/m/a"]
+    assert "RAM would dilute a (it keeps 0.60 of its task vector" in alone["sentence"]
     together = three([low, low / ALONE * DOWN, 0.8])
-    assert together.diluted == ("/m/a", "/m/b")
-    assert "RAM would dilute a and b about equally" in together.sentence
-    assert ", a most" in together.sentence
+    assert together["diluted"] == ["/m/a", "/m/b"]
+    assert "RAM would dilute a and b about equally" in together["sentence"]
+    assert ", a most" in together["sentence"]
     every = three([0.68, 0.70, 0.72])
-    assert every.diluted == ("/m/a", "/m/b", "/m/c")
-    assert "every agent about equally (retention 0.68–0.72), a most" in every.sentence
+    assert every["diluted"] == ["/m/a", "/m/b", "/m/c"]
+    assert (
+        "every agent about equally (retention 0.68–0.72), a most" in every["sentence"]
+    )
 
 
 def test_agents_kept_whole_are_not_diluted():
     kept = three([KEPT_WHOLE * UP, 0.95, 1.02])
-    assert kept.diluted == ()
-    assert f"RAM keeps at least {KEPT_WHOLE:g} of every agent" in kept.sentence
+    assert kept["diluted"] == []
+    assert f"RAM keeps at least {KEPT_WHOLE:g} of every agent" in kept["sentence"]
     # Just below, the lowest is diluted (alone: the others keep ≥ 1/ALONE more).
     below = three([KEPT_WHOLE * DOWN, 1.05, 1.1])
-    assert below.diluted == ("/m/a",)
+    assert below["diluted"] == ["/m/a"]
 
 
 def test_without_retention_the_verdict_says_where_to_get_it():
     verdict = three(None)
-    assert verdict.diluted == ()
-    assert "mergekit-ram analyze" in verdict.sentence
+    assert verdict["diluted"] == []
+    assert "mergekit-ram analyze" in verdict["sentence"]
 
 
 def test_advice_follows_the_case():
     independent = three([0.6, 0.8, 0.8])
-    assert independent.supports == "independent"
-    assert "try `shared: ties`" in independent.sentence
-    assert MEASURED in independent.sentence  # the numbers are docs/analyze.md's
+    assert independent["supports"] == "independent"
+    assert "try `shared: ties`" in independent["sentence"]
+    assert MEASURED in independent["sentence"]  # the numbers are docs/analyze.md's
     overlapping = three([0.6, 0.8, 0.8], lift=OVERLAPPING * UP)
-    assert overlapping.supports == "overlapping"
-    assert "`shared: ties`" in overlapping.sentence  # as a measured loss
-    assert MEASURED in overlapping.sentence
-    assert "try `shared: ties`" not in overlapping.sentence
+    assert overlapping["supports"] == "overlapping"
+    assert "`shared: ties`" in overlapping["sentence"]  # as a measured loss
+    assert MEASURED in overlapping["sentence"]
+    assert "try `shared: ties`" not in overlapping["sentence"]
     equal = three([0.7, 0.7, 0.7])
-    assert "compare with tuned task arithmetic" in equal.sentence
-    assert "shared: ties" not in equal.sentence
+    assert "compare with tuned task arithmetic" in equal["sentence"]
+    assert "shared: ties" not in equal["sentence"]
 
 
 def test_mixed_supports_name_each_kind():
@@ -142,10 +144,10 @@ def test_mixed_supports_name_each_kind():
     verdict = verdict_on(
         ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, lift, None
     )
-    assert verdict.supports == "nested"
-    kinds = [p.supports for p in verdict.pairs]
+    assert verdict["supports"] == "nested"
+    kinds = [p["supports"] for p in verdict["pairs"]]
     assert kinds == ["nested", "independent", "independent"]
-    assert verdict.sentence.startswith(
+    assert verdict["sentence"].startswith(
         "supports mixed: nested for a × b (100 % of a's changes lie inside b's), "
         "independent for a × c and b × c (lift 1.00)"
     )
@@ -153,8 +155,8 @@ def test_mixed_supports_name_each_kind():
 
 def test_one_task_model_and_one_that_changes_anything():
     one = verdict_on(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
-    assert one.supports is None and one.pairs == () and one.diluted == ()
-    assert one.sentence.startswith("one task model")
+    assert one["supports"] is None and one["pairs"] == [] and one["diluted"] == []
+    assert one["sentence"].startswith("one task model")
     idle = verdict_on(
         ["a", "b"],
         ["a", "b"],
@@ -163,8 +165,8 @@ def test_one_task_model_and_one_that_changes_anything():
         [[1.0, None], [None, None]],
         None,
     )
-    assert idle.supports is None and idle.diluted == ()
-    assert idle.sentence.startswith(
+    assert idle["supports"] is None and idle["diluted"] == []
+    assert idle["sentence"].startswith(
         "only a changes anything above epsilon (1e-05); b changes nothing: there "
         "is nothing for RAM to average, so it adds a's task vector whole"
     )
@@ -175,27 +177,27 @@ def test_nothing_changed_means_the_base_model():
     0 under RAM for all). The old sentence said RAM "adds that task vector
     whole"; no task vector is added: RAM returns the base."""
     verdict = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
-    assert verdict.supports is None and verdict.diluted == ()
-    assert verdict.sentence == (
+    assert verdict["supports"] is None and verdict["diluted"] == []
+    assert verdict["sentence"] == (
         "no task model changes any element above epsilon (100), so there is "
         "nothing to merge and RAM returns the base model; if epsilon is larger "
         "than the fine-tuning's changes, lower `epsilon`, else check that the "
         "task models are not copies of the base."
     )
-    assert "whole" not in verdict.sentence
+    assert "whole" not in verdict["sentence"]
 
 
 def test_one_task_model_equal_to_the_base():
     """Case (b): the one task model is a copy of the base (0 changes,
     retention n/a). The old sentence said RAM "adds its whole task vector"."""
     verdict = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
-    assert verdict.supports is None and verdict.diluted == ()
-    assert verdict.sentence.startswith(
+    assert verdict["supports"] is None and verdict["diluted"] == []
+    assert verdict["sentence"].startswith(
         "the task model changes no element above epsilon (1e-05), so there is "
         "nothing to merge and RAM returns the base model;"
     )
-    assert "check that the task model is not a copy of the base" in verdict.sentence
-    assert "whole" not in verdict.sentence
+    assert "check that the task model is not a copy of the base" in verdict["sentence"]
+    assert "whole" not in verdict["sentence"]
 
 
 def test_agents_that_change_nothing_are_named_not_diluted():
@@ -204,20 +206,20 @@ def test_agents_that_change_nothing_are_named_not_diluted():
     ("RAM would dilute c (it keeps 0.00 ..."). It is named as changing
     nothing, and the others are judged without it."""
     verdict = three([0.6, 0.8, 0.0], changed=(100, 100, 0), epsilon=1e-5)
-    assert verdict.diluted == ("/m/a",)
-    assert [p.models for p in verdict.pairs] == [("/m/a", "/m/b")]
-    assert verdict.sentence.startswith(
+    assert verdict["diluted"] == ["/m/a"]
+    assert [p["models"] for p in verdict["pairs"]] == [["/m/a", "/m/b"]]
+    assert verdict["sentence"].startswith(
         "supports independent (lift 1.00: the agents change the same elements "
         "about as often as chance predicts); c changes nothing above epsilon "
         "(1e-05) and adds nothing to the merge; RAM would dilute a (it keeps 0.60 "
         "of its task vector, the other 0.80);"
     )
-    assert "dilute c" not in verdict.sentence
+    assert "dilute c" not in verdict["sentence"]
     equal = three([0.7, 0.7, None], changed=(100, 100, 0))
-    assert "RAM would dilute every other agent about equally" in equal.sentence
+    assert "RAM would dilute every other agent about equally" in equal["sentence"]
     whole = three([0.95, 1.0, 0.0], changed=(100, 100, 0))
-    assert whole.diluted == ()
-    assert "RAM keeps at least 0.9 of every other agent's" in whole.sentence
+    assert whole["diluted"] == []
+    assert "RAM keeps at least 0.9 of every other agent's" in whole["sentence"]
 
 
 def test_shared_ties_in_use_is_not_suggested():
@@ -227,8 +229,8 @@ def test_shared_ties_in_use_is_not_suggested():
     what remains to try."""
     kept = [0.6, 0.8, 0.8]
     ties = three(kept, shared="ties")
-    assert "try `shared: ties`" not in ties.sentence
-    assert ties.sentence.endswith(
+    assert "try `shared: ties`" not in ties["sentence"]
+    assert ties["sentence"].endswith(
         "this configuration already uses `shared: ties`, which kept such an "
         "agent's task vector in mergekit-ram's agent benchmark and scored level "
         "with the best tuned baseline there, where RAM scored below it (numbers: "
@@ -237,11 +239,11 @@ def test_shared_ties_in_use_is_not_suggested():
         "tuned task arithmetic / TIES / DARE."
     )
     overlapping = three(kept, lift=OVERLAPPING * UP, shared="ties")
-    assert "`shared: ties`, which this configuration uses, " in overlapping.sentence
+    assert "`shared: ties`, which this configuration uses, " in overlapping["sentence"]
     # Another mode, or none known, keeps the suggestion.
     for shared in ("mean", "base", None):
-        assert "try `shared: ties`" in three(kept, shared=shared).sentence
-    assert three(kept, shared="mean").sentence == three(kept).sentence
+        assert "try `shared: ties`" in three(kept, shared=shared)["sentence"]
+    assert three(kept, shared="mean")["sentence"] == three(kept)["sentence"]
 
 
 def regimes() -> dict:
@@ -259,7 +261,7 @@ def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     baseline, and every such agent is named."""
     block = regimes()[regime]
     verdict = judge(block["probe"])
-    assert verdict.supports == supports
+    assert verdict["supports"] == supports
     rows = block["rows"]
     loss = {
         task: rows[block["reference"]][task]["correct"] - rows["ram"][task]["correct"]
@@ -267,11 +269,11 @@ def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     }
     worst = {task for task, lost in loss.items() if lost == max(loss.values())}
     label = {t["model"]: t["label"] for t in block["probe"]["tasks"]}
-    named = [label[m] for m in verdict.diluted]
+    named = [label[m] for m in verdict["diluted"]]
     assert named and named[0] in worst
     assert worst <= set(named)
     who = "recall (" if regime == "heterogeneous" else "every agent about equally"
-    assert f"RAM would dilute {who}" in verdict.sentence
+    assert f"RAM would dilute {who}" in verdict["sentence"]
 
 
 def test_docs_quote_the_verdicts_as_computed():
@@ -284,4 +286,4 @@ def test_docs_quote_the_verdicts_as_computed():
     assert "## What the benchmark measured" in lines
     quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
     for block in regimes().values():
-        assert judge(block["probe"]).sentence in quoted
+        assert judge(block["probe"])["sentence"] in quoted

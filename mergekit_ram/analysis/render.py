@@ -58,8 +58,8 @@ def section(
     return lines
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
+def _num(value: float | None, digits: int = 4, none: str = "–") -> str:
+    return none if value is None else f"{value:.{digits}f}"
 
 
 def _share(value: float | None) -> str:
@@ -118,7 +118,7 @@ def _per_task(report: Report) -> list[str]:
             low, high = f"{local['min']:.4f}", f"{local['max']:.4f}"
             spread = f"{local['unique_weighted_mean']:.4f} [{low}, {high}]"
         counts = [f"{t[k]:,}" for k in ("changed", "unique", "shared")]
-        rho = "inf" if t["rho"] is None else f"{t['rho']:.4f}"
+        rho = _num(t["rho"], none="inf")
         scale = _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else "")
         unique = percent(t["unique"], t["changed"], 1)
         row = [t["label"], percent(t["changed"], t["elements"]), *counts]
@@ -178,13 +178,11 @@ def _independent(report: Report) -> list[str]:
 def _retention(report: Report) -> list[str]:
     settings = report["retention"]
     methods = list(settings["methods"]) if settings else []
-    rows = []
-    for t in report["tasks"]:
-        kept = [(t["retention"] or {}).get(m) for m in methods]
-        shares = [_share(t["unique_share"]), _share(t["expected_unique_share"])]
-        rows.append(
-            [t["label"], *shares, *("n/a" if k is None else f"{k:.3f}" for k in kept)]
-        )
+    rows = [
+        [t["label"], _share(t["unique_share"]), _share(t["expected_unique_share"])]
+        + [_num((t["retention"] or {}).get(m), 3, "n/a") for m in methods]
+        for t in report["tasks"]
+    ]
     notes = [
         "unique % = the task's changes no other task makes; expected = the "
         "same for independent supports with the same per-tensor densities.",

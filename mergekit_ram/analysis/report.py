@@ -210,4 +210,4 @@ def build_report(
             "ta_mean_weight": 1.0 / len(ids) if ids else None,
         },
     }
-    return report | {"verdict": judge(report, analysis.shared).as_dict()}
+    return report | {"verdict": judge(report, analysis.shared)}
