@@ -173,31 +173,24 @@ def test_one_task_model_and_one_that_changes_anything():
 
 
 def test_nothing_changed_means_the_base_model():
-    """Case (a): epsilon above every change (demo, --epsilon 100: retention
-    0 under RAM for all). The old sentence said RAM "adds that task vector
-    whole"; no task vector is added: RAM returns the base."""
-    verdict = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
-    assert verdict["supports"] is None and verdict["diluted"] == []
-    assert verdict["sentence"] == (
+    """Epsilon above every change (--epsilon 100), or one task model that is a
+    copy of the base: RAM returns the base model, no task vector is added."""
+    every = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
+    copy = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
+    for verdict in (every, copy):
+        assert verdict["supports"] is None and verdict["diluted"] == []
+        assert "whole" not in verdict["sentence"]
+    assert every["sentence"] == (
         "no task model changes any element above epsilon (100), so there is "
         "nothing to merge and RAM returns the base model; if epsilon is larger "
         "than the fine-tuning's changes, lower `epsilon`, else check that the "
         "task models are not copies of the base."
     )
-    assert "whole" not in verdict["sentence"]
-
-
-def test_one_task_model_equal_to_the_base():
-    """Case (b): the one task model is a copy of the base (0 changes,
-    retention n/a). The old sentence said RAM "adds its whole task vector"."""
-    verdict = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
-    assert verdict["supports"] is None and verdict["diluted"] == []
-    assert verdict["sentence"].startswith(
+    assert copy["sentence"].startswith(
         "the task model changes no element above epsilon (1e-05), so there is "
         "nothing to merge and RAM returns the base model;"
     )
-    assert "check that the task model is not a copy of the base" in verdict["sentence"]
-    assert "whole" not in verdict["sentence"]
+    assert "check that the task model is not a copy of the base" in copy["sentence"]
 
 
 def test_agents_that_change_nothing_are_named_not_diluted():

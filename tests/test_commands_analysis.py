@@ -83,25 +83,15 @@ def read(path) -> dict:
         return json.load(handle)
 
 
-def without_timing(document: dict) -> dict:
-    return {k: v for k, v in document.items() if k != "seconds"}
-
-
 SURVIVAL = ("rescaled", "rescale_survived")
 
 
-def without_survival(document: dict) -> dict:
-    """A report or ram_statistics.json without what only a merge knows: how
-    much of λ survived the written dtype (analyze writes it as null)."""
+def comparable(document: dict) -> dict:
+    """A report or ram_statistics.json without its timing and what only a
+    merge knows: how much of λ survived the written dtype (analyze: null)."""
     tasks = [{k: t[k] for k in t if k not in SURVIVAL} for t in document["tasks"]]
-    return {k: v for k, v in document.items() if k != "written_dtypes"} | {
-        "tasks": tasks
-    }
-
-
-def survival(document: dict) -> tuple:
-    counted = [[t[k] for k in SURVIVAL] for t in document["tasks"]]
-    return document["written_dtypes"], counted
+    drop = {"seconds", "written_dtypes"}
+    return {k: v for k, v in document.items() if k not in drop} | {"tasks": tasks}
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +118,8 @@ def merged(models, tmp_path_factory):
     return statistics, read(out / "report" / REPORT_JSON)
 
 
-def test_counts_equal_dense_reference(analyzed, dense):
-    _config, _out, _output, report = analyzed
+def test_counts_and_scales_equal_dense_reference(analyzed, dense):
+    _config, _out, output, report = analyzed
     base, _tasks, counts = dense
     per_tensor = counts()
     n = len(NAMES)
@@ -156,6 +146,39 @@ def test_counts_equal_dense_reference(analyzed, dense):
     for row, ref_row in zip(report["pairwise"]["jaccard"], expected):
         assert row == pytest.approx(ref_row, rel=1e-12)
     assert len({round(v, 6) for row in expected for v in row}) > n  # not uniform
+    # Tensor-local λ: from each tensor where the task has unique elements.
+    for i, task in enumerate(report["tasks"]):
+        found = []  # (λ, elements, unique) in each tensor where the task has unique
+        for name, entry in per_tensor.items():
+            c, s, u, _ = reference.csu({name: entry}, n)
+            if u[i] > 0:
+                lam = reference.lam(c[i], s[i], u[i], 0.1, 2.0, "clip")
+                found.append((lam, base[name].numel(), u[i]))
+        lam, elements, unique = (np.array(v, dtype=float) for v in zip(*found))
+        mean, weighted = lam @ elements / elements.sum(), lam @ unique / unique.sum()
+        want = dict(mean=mean, unique_weighted_mean=weighted, min=lam.min())
+        want |= dict(max=lam.max(), tensors=len(found))
+        assert task["scale_tensor_local"] == pytest.approx(want)
+    # Global and tensor-local λ differ: the reason to show both.
+    assert any(
+        abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
+        for t in report["tasks"]
+    )
+    # The r sweep (--r 0, .05,0.1,.2), its table in order.
+    assert [s["r"] for s in report["sweep"]] == [0.0, 0.05, 0.1, 0.2]
+    for entry in report["sweep"]:
+        for i, task in enumerate(report["tasks"]):
+            lam = reference.lam(C[i], S[i], U[i], entry["r"], 2.0, "clip")
+            assert entry["scale"][task["model"]] == pytest.approx(lam, rel=1e-12)
+    zero = report["sweep"][0]
+    assert set(zero["scale"].values()) == {1.0}
+    assert set(zero["scale_tensor_local"].values()) == {1.0}
+    section = output.split("## λ sweep over r")[1].splitlines()
+    rows = [line.split("|")[1].strip() for line in section[4:8]]
+    assert rows == ["0", "0.05", "0.1", "0.2"]
+    # λ grows with r for a task that has shared elements.
+    lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
+    assert lams == sorted(lams) and lams[0] < lams[-1]
 
 
 def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
@@ -187,30 +210,6 @@ def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
     # Density profile differs between layers (synthetic skew).
     first, second = ([t["changed"] for t in e["tasks"]] for e in report["per_layer"])
     assert first != second
-
-
-def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
-    _config, _out, _output, report = analyzed
-    base, _tasks, counts = dense
-    per_tensor = counts()
-    n = len(NAMES)
-    for i, task in enumerate(report["tasks"]):
-        found = []  # (λ, elements, unique) in each tensor where the task has unique
-        for name, entry in per_tensor.items():
-            C, S, U, _ = reference.csu({name: entry}, n)
-            if U[i] > 0:
-                lam = reference.lam(C[i], S[i], U[i], 0.1, 2.0, "clip")
-                found.append((lam, base[name].numel(), U[i]))
-        lam, elements, unique = (np.array(v, dtype=float) for v in zip(*found))
-        mean, weighted = lam @ elements / elements.sum(), lam @ unique / unique.sum()
-        want = dict(mean=mean, unique_weighted_mean=weighted, min=lam.min())
-        want |= dict(max=lam.max(), tensors=len(found))
-        assert task["scale_tensor_local"] == pytest.approx(want)
-    # Global and tensor-local λ differ: the reason to show both.
-    assert any(
-        abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
-        for t in report["tasks"]
-    )
 
 
 def dense_expectations(per_tensor, n):
@@ -329,11 +328,15 @@ def test_report_json_schema(analyzed, merged):
     # ram_statistics.json's fields are report fields with the same values;
     # only a merge counts λ's survival (analyze: null, merge --report: counts).
     statistics, merge_report = merged
-    for ours, theirs in zip(report["tasks"], without_survival(statistics)["tasks"]):
+    for ours, theirs in zip(report["tasks"], comparable(statistics)["tasks"]):
         assert {k: ours[k] for k in theirs} == theirs
     assert report["written_dtypes"] is None
     assert all(t[k] is None for t in report["tasks"] for k in SURVIVAL)
-    assert survival(merge_report) == survival(statistics)
+    for key in SURVIVAL:
+        assert [t[key] for t in merge_report["tasks"]] == [
+            t[key] for t in statistics["tasks"]
+        ]
+    assert merge_report["written_dtypes"] == statistics["written_dtypes"]
     assert sum(t["rescaled"] for t in statistics["tasks"]) > 0
 
 
@@ -457,26 +460,6 @@ def analyze_figures():
     return list(FIGURES)
 
 
-def test_r_sweep_table(analyzed, dense):
-    _config, _out, output, report = analyzed
-    _base, _tasks, counts = dense
-    C, S, U, _ = reference.csu(counts(), len(NAMES))
-    assert [s["r"] for s in report["sweep"]] == [0.0, 0.05, 0.1, 0.2]
-    for entry in report["sweep"]:
-        for i, task in enumerate(report["tasks"]):
-            lam = reference.lam(C[i], S[i], U[i], entry["r"], 2.0, "clip")
-            assert entry["scale"][task["model"]] == pytest.approx(lam, rel=1e-12)
-    zero = report["sweep"][0]
-    assert set(zero["scale"].values()) == {1.0}
-    assert set(zero["scale_tensor_local"].values()) == {1.0}
-    section = output.split("## λ sweep over r")[1].splitlines()
-    rows = [line.split("|")[1].strip() for line in section[4:8]]
-    assert rows == ["0", "0.05", "0.1", "0.2"]
-    # λ grows with r for a task that has shared elements.
-    lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
-    assert lams == sorted(lams) and lams[0] < lams[-1]
-
-
 @pytest.mark.parametrize("bad", ["-0.1", "abc", ",", "nan", "inf", ""])
 def test_bad_r_values_refused(analyzed, bad):
     config = analyzed[0]
@@ -540,9 +523,7 @@ def test_merge_report_equals_analyze(models, tmp_path, pass_counter, method, sai
     report = read(tmp_path / "rep" / "report.json")
     invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
     assert len(pass_counter) == 2  # analyze: one pass, the hook did not run one
-    assert without_timing(without_survival(report)) == without_timing(
-        without_survival(read(tmp_path / "ana" / "report.json"))
-    )
+    assert comparable(report) == comparable(read(tmp_path / "ana" / "report.json"))
     assert sorted(os.listdir(tmp_path / "rep")) == sorted(os.listdir(tmp_path / "ana"))
     statistics = tmp_path / "merged" / "ram_statistics.json"
     if method == "ramplus":
