@@ -269,14 +269,43 @@ def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     assert f"RAM would dilute {who}" in verdict["sentence"]
 
 
-def test_docs_quote_the_verdicts_as_computed():
-    """docs/analyze.md quotes each regime's verdict: it is the sentence the
-    stored report gives today."""
-    page = Path(__file__).parent.parent / "docs/analyze.md"
-    lines = page.read_text(encoding="utf-8").splitlines()
-    # The section the verdict's advice points to for its numbers.
+# docs/analyze.md's table of what the verdict's advice rests on: (regime,
+# results.json row) → the table's merge column.
+MEASURED_ROWS = {
+    ("heterogeneous", "ram"): "RAM",
+    ("heterogeneous", "shared_ties"): "RAM, `shared: ties`",
+    ("homogeneous", "ram"): "RAM",
+    ("homogeneous", "ramplus_fp32"): "RAM+ written in float32",
+    ("homogeneous", "shared_ties"): "RAM, `shared: ties`",
+}
+BASELINES = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
+
+
+def test_docs_quote_the_verdicts_and_the_numbers_as_computed():
+    """docs/analyze.md quotes each regime's verdict as the stored report
+    gives it today, and, in "What the benchmark measured" (where the
+    verdict's advice points), results.json's numbers, rounded as cited."""
+    docs = (Path(__file__).parent.parent / "docs/analyze.md").read_text("utf-8")
+    lines = docs.splitlines()
+    quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
+    found = regimes()
+    for block in found.values():
+        assert judge(block["probe"])["sentence"] in quoted
     assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
     assert "## What the benchmark measured" in lines
-    quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
-    for block in regimes().values():
-        assert judge(block["probe"])["sentence"] in quoted
+    rows = {tuple(c.strip() for c in line.split("|")[1:-1]) for line in lines}
+    for (regime, row), merge in MEASURED_ROWS.items():
+        paired = found[regime]["paired"][row]
+        low, high = (round(100 * v, 1) for v in paired["ci95"])
+        cited = f"{round(100 * paired['difference'], 1):+.1f} [{low:+.1f}, {high:+.1f}]"
+        baseline = BASELINES[found[regime]["reference"]]
+        assert any(
+            r[0].startswith(regime) and r[1:] == (merge, baseline, cited)
+            for r in rows
+            if len(r) == 4
+        ), (regime, row, cited)
+    kept = found["heterogeneous"]["support"]["retention"]
+    assert (
+        f"RAM {kept['ram']['recall']:.2f}, RAM with `shared: ties` "
+        f"{kept['shared_ties']['recall']:.2f}."
+    ) in " ".join(docs.split())

@@ -191,8 +191,7 @@ def build_report(
         local = [tensor_local_scales(stats, i, swept) for i in ids]
         local = {str(i): x["unique_weighted_mean"] for i, x in zip(ids, local)}
         sweeps.append({"r": r, "scale": scale, "scale_tensor_local": local})
-    plus = plus.as_dict()
-    del plus["epsilon"]
+    plus = {k: v for k, v in plus.as_dict().items() if k != "epsilon"}
     report = {
         "schema_version": SCHEMA_VERSION,
         "method": analysis.method,
