@@ -25,49 +25,42 @@ def worked_example(inner_products: bool = False) -> OverlapStatistics:
     return stats
 
 
-def settings_with(saturation: str) -> MergeSettings:
-    return MergeSettings(
+def card(saturation="clip", inner_products=False, tally=None) -> str:
+    """The card section for the worked example under the paper's r and alpha."""
+    stats = worked_example(inner_products)
+    settings = MergeSettings(
         epsilon=1e-5, r=0.1, alpha=2.0, saturation=saturation, statistics="global"
     )
+    return card_section(settings, stats, stats.scales(settings.rule), tally)
 
 
 def test_card_section_says_what_each_number_is():
-    stats = worked_example()
-    settings = settings_with("clip")
     tally = SurvivalTally()
     tally.add("t1", 4, 1, "bfloat16")
-    card = card_section(settings, stats, stats.scales(settings.rule), tally)
-
-    assert "pypi.org" not in card and "not on PyPI" in card
-    assert "(epsilon = 1e-05, r = 0.1, clip rule, alpha = 2)" in card
-    assert "| t1 | 37.50 % | 33.33 % | 66.67 % | 2.0000 | 1.2000 | 25.0 % |" in card
-    assert "| t3 | 25.00 % | 50.00 % | 50.00 % | 1.0000 | 1.1000 | – |" in card
+    section = card(tally=tally)
+    assert "pypi.org" not in section and "not on PyPI" in section
+    assert "(epsilon = 1e-05, r = 0.1, clip rule, alpha = 2)" in section
+    assert "| t1 | 37.50 % | 33.33 % | 66.67 % | 2.0000 | 1.2000 | 25.0 % |" in section
+    assert "| t3 | 25.00 % | 50.00 % | 50.00 % | 1.0000 | 1.1000 | – |" in section
     legend = {
-        line.split("*")[1]: line for line in card.splitlines() if line[:3] == "- *"
+        line.split("*")[1]: line for line in section.splitlines() if line[:3] == "- *"
     }
     assert "share of all the parameters" in legend["changed"]
     assert "shares of that agent's own changes" in legend["unique"]
     survives = legend["λ survives"]
     assert "written value" in survives and "differs from plain RAM" in survives
-
-
-def test_soft_rule_card_does_not_list_alpha():
-    """The soft rule, λ = 1 + r·S/C, does not use alpha (docs/spec.md)."""
-    stats = worked_example()
-    settings = settings_with("soft")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "(epsilon = 1e-05, r = 0.1, soft rule)" in card
-    assert "alpha" not in card.split("|", 1)[0]
+    # The soft rule, λ = 1 + r·S/C, does not use alpha (docs/spec.md).
+    soft = card("soft")
+    assert "(epsilon = 1e-05, r = 0.1, soft rule)" in soft
+    assert "alpha" not in soft.split("|", 1)[0]
 
 
 @pytest.mark.parametrize("inner_products", [False, True])
 def test_card_carries_the_verdict(inner_products):
     """With the inner products (merge --report) the card's verdict names the
     agent RAM dilutes; a merge's own pass has none, and it says where to look."""
-    stats = worked_example(inner_products)
-    settings = settings_with("clip")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    (line,) = [x for x in card.splitlines() if x.startswith("**Verdict:** ")]
+    lines = card(inner_products=inner_products).splitlines()
+    (line,) = [x for x in lines if x.startswith("**Verdict:** ")]
     if inner_products:
         assert "RAM would dilute" in line
     else:
@@ -79,10 +72,6 @@ def test_card_gives_the_repository_the_package_declares(monkeypatch):
         def get_all(self, _name):
             return ["Documentation, https://docs.example", "Repository, https://r.ex"]
 
-    stats = worked_example()
-    settings = settings_with("clip")
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "installed from a clone of its repository" in card  # none declared
+    assert "installed from a clone of its repository" in card()  # none declared
     monkeypatch.setattr(results.metadata, "metadata", lambda _name: Declared())
-    card = card_section(settings, stats, stats.scales(settings.rule))
-    assert "not on PyPI: install it from its repository, https://r.ex" in card
+    assert "not on PyPI: install it from its repository, https://r.ex" in card()

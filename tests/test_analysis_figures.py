@@ -78,29 +78,27 @@ def assert_not_blank(image):
     assert white < 0.95
 
 
-@pytest.fixture(scope="module")
-def report():
-    return make_report([0.05, 0.3, 0.5], llama_names(3))
-
-
-def test_figures_are_pngs_of_the_documented_size(report, tmp_path):
-    names = figures.write_figures(report, str(tmp_path))
+def drawn(report, folder) -> dict:
+    """Every figure of `report` drawn into `folder`: PNGs of the documented
+    size, none blank."""
+    names = figures.write_figures(report, str(folder))
     assert names == list(figures.FIGURES)
-    for name in names:
-        image = pixels(tmp_path / name)
+    images = {name: pixels(folder / name) for name in names}
+    for name, image in images.items():
         width, height = figures.FIGURES[name]
         assert image.size == (round(width * figures.DPI), round(height * figures.DPI))
         assert_not_blank(image)
+    return images
 
 
-def test_figures_show_the_data(report, tmp_path):
-    figures.write_figures(report, str(tmp_path))
-    assert has_colour(pixels(tmp_path / "overlap_histogram.png"), VIRIDIS_FIRST)
-    assert has_colour(pixels(tmp_path / "density_per_layer.png"), TAB10_FIRST)
-    assert has_colour(pixels(tmp_path / "jaccard.png"), BLUES_LAST)
+def test_figures_show_the_data(tmp_path):
+    images = drawn(make_report([0.05, 0.3, 0.5], llama_names(3)), tmp_path)
+    assert has_colour(images["overlap_histogram.png"], VIRIDIS_FIRST)
+    assert has_colour(images["density_per_layer.png"], TAB10_FIRST)
+    assert has_colour(images["jaccard.png"], BLUES_LAST)
     # regime.png: RAM's retention bars (first tab10 colour), lift bars (viridis).
-    assert has_colour(pixels(tmp_path / "regime.png"), TAB10_FIRST)
-    assert has_colour(pixels(tmp_path / "regime.png"), VIRIDIS_FIRST)
+    assert has_colour(images["regime.png"], TAB10_FIRST)
+    assert has_colour(images["regime.png"], VIRIDIS_FIRST)
     # Figures change with the data.
     other = make_report([0.4, 0.1, 0.2], llama_names(3), seed=5)
     figures.write_figures(other, str(tmp_path / "other"))
@@ -120,13 +118,7 @@ def test_figures_show_the_data(report, tmp_path):
     ids=["one-task", "empty-task", "no-layers", "twelve-tasks"],
 )
 def test_edge_cases_still_draw(densities, layers, tmp_path):
-    report = make_report(densities, llama_names(layers))
-    for name in figures.write_figures(report, str(tmp_path)):
-        image = pixels(tmp_path / name)
-        assert image.size == tuple(
-            round(v * figures.DPI) for v in figures.FIGURES[name]
-        )
-        assert_not_blank(image)
+    drawn(make_report(densities, llama_names(layers)), tmp_path)
 
 
 def test_regime_figure_without_retention(tmp_path):
@@ -134,7 +126,4 @@ def test_regime_figure_without_retention(tmp_path):
     report = make_report([0.2, 0.3], llama_names(1), inner_products=False)
     assert report["retention"] is None
     assert all(t["retention"] is None for t in report["tasks"])
-    figures.write_figures(report, str(tmp_path))
-    image = pixels(tmp_path / "regime.png")
-    assert_not_blank(image)
-    assert not has_colour(image, TAB10_FIRST)
+    assert not has_colour(drawn(report, tmp_path)["regime.png"], TAB10_FIRST)

@@ -94,45 +94,47 @@ def three(kept, lift=1.0, changed=(100, 100, 100), **options):
 def test_one_agent_diluted_alone_or_with_the_others():
     low = 0.6
     alone = three([low, low / ALONE * UP, 0.8])
-    assert alone.diluted == ("/m/a",)
-    assert "RAM would dilute a (it keeps 0.60 of its task vector" in alone.sentence
+    assert alone["diluted"] == ["/m/a"]
+    assert "RAM would dilute a (it keeps 0.60 of its task vector" in alone["sentence"]
     together = three([low, low / ALONE * DOWN, 0.8])
-    assert together.diluted == ("/m/a", "/m/b")
-    assert "RAM would dilute a and b about equally" in together.sentence
-    assert ", a most" in together.sentence
+    assert together["diluted"] == ["/m/a", "/m/b"]
+    assert "RAM would dilute a and b about equally" in together["sentence"]
+    assert ", a most" in together["sentence"]
     every = three([0.68, 0.70, 0.72])
-    assert every.diluted == ("/m/a", "/m/b", "/m/c")
-    assert "every agent about equally (retention 0.68–0.72), a most" in every.sentence
+    assert every["diluted"] == ["/m/a", "/m/b", "/m/c"]
+    assert (
+        "every agent about equally (retention 0.68–0.72), a most" in every["sentence"]
+    )
 
 
 def test_agents_kept_whole_are_not_diluted():
     kept = three([KEPT_WHOLE * UP, 0.95, 1.02])
-    assert kept.diluted == ()
-    assert f"RAM keeps at least {KEPT_WHOLE:g} of every agent" in kept.sentence
+    assert kept["diluted"] == []
+    assert f"RAM keeps at least {KEPT_WHOLE:g} of every agent" in kept["sentence"]
     # Just below, the lowest is diluted (alone: the others keep ≥ 1/ALONE more).
     below = three([KEPT_WHOLE * DOWN, 1.05, 1.1])
-    assert below.diluted == ("/m/a",)
+    assert below["diluted"] == ["/m/a"]
 
 
 def test_without_retention_the_verdict_says_where_to_get_it():
     verdict = three(None)
-    assert verdict.diluted == ()
-    assert "mergekit-ram analyze" in verdict.sentence
+    assert verdict["diluted"] == []
+    assert "mergekit-ram analyze" in verdict["sentence"]
 
 
 def test_advice_follows_the_case():
     independent = three([0.6, 0.8, 0.8])
-    assert independent.supports == "independent"
-    assert "try `shared: ties`" in independent.sentence
-    assert MEASURED in independent.sentence  # the numbers are docs/analyze.md's
+    assert independent["supports"] == "independent"
+    assert "try `shared: ties`" in independent["sentence"]
+    assert MEASURED in independent["sentence"]  # the numbers are docs/analyze.md's
     overlapping = three([0.6, 0.8, 0.8], lift=OVERLAPPING * UP)
-    assert overlapping.supports == "overlapping"
-    assert "`shared: ties`" in overlapping.sentence  # as a measured loss
-    assert MEASURED in overlapping.sentence
-    assert "try `shared: ties`" not in overlapping.sentence
+    assert overlapping["supports"] == "overlapping"
+    assert "`shared: ties`" in overlapping["sentence"]  # as a measured loss
+    assert MEASURED in overlapping["sentence"]
+    assert "try `shared: ties`" not in overlapping["sentence"]
     equal = three([0.7, 0.7, 0.7])
-    assert "compare with tuned task arithmetic" in equal.sentence
-    assert "shared: ties" not in equal.sentence
+    assert "compare with tuned task arithmetic" in equal["sentence"]
+    assert "shared: ties" not in equal["sentence"]
 
 
 def test_mixed_supports_name_each_kind():
@@ -142,10 +144,10 @@ def test_mixed_supports_name_each_kind():
     verdict = verdict_on(
         ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, lift, None
     )
-    assert verdict.supports == "nested"
-    kinds = [p.supports for p in verdict.pairs]
+    assert verdict["supports"] == "nested"
+    kinds = [p["supports"] for p in verdict["pairs"]]
     assert kinds == ["nested", "independent", "independent"]
-    assert verdict.sentence.startswith(
+    assert verdict["sentence"].startswith(
         "supports mixed: nested for a × b (100 % of a's changes lie inside b's), "
         "independent for a × c and b × c (lift 1.00)"
     )
@@ -153,8 +155,8 @@ def test_mixed_supports_name_each_kind():
 
 def test_one_task_model_and_one_that_changes_anything():
     one = verdict_on(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
-    assert one.supports is None and one.pairs == () and one.diluted == ()
-    assert one.sentence.startswith("one task model")
+    assert one["supports"] is None and one["pairs"] == [] and one["diluted"] == []
+    assert one["sentence"].startswith("one task model")
     idle = verdict_on(
         ["a", "b"],
         ["a", "b"],
@@ -163,39 +165,32 @@ def test_one_task_model_and_one_that_changes_anything():
         [[1.0, None], [None, None]],
         None,
     )
-    assert idle.supports is None and idle.diluted == ()
-    assert idle.sentence.startswith(
+    assert idle["supports"] is None and idle["diluted"] == []
+    assert idle["sentence"].startswith(
         "only a changes anything above epsilon (1e-05); b changes nothing: there "
         "is nothing for RAM to average, so it adds a's task vector whole"
     )
 
 
 def test_nothing_changed_means_the_base_model():
-    """Case (a): epsilon above every change (demo, --epsilon 100: retention
-    0 under RAM for all). The old sentence said RAM "adds that task vector
-    whole"; no task vector is added: RAM returns the base."""
-    verdict = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
-    assert verdict.supports is None and verdict.diluted == ()
-    assert verdict.sentence == (
+    """Epsilon above every change (--epsilon 100), or one task model that is a
+    copy of the base: RAM returns the base model, no task vector is added."""
+    every = three([0.0] * 3, changed=(0, 0, 0), epsilon=100.0)
+    copy = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
+    for verdict in (every, copy):
+        assert verdict["supports"] is None and verdict["diluted"] == []
+        assert "whole" not in verdict["sentence"]
+    assert every["sentence"] == (
         "no task model changes any element above epsilon (100), so there is "
         "nothing to merge and RAM returns the base model; if epsilon is larger "
         "than the fine-tuning's changes, lower `epsilon`, else check that the "
         "task models are not copies of the base."
     )
-    assert "whole" not in verdict.sentence
-
-
-def test_one_task_model_equal_to_the_base():
-    """Case (b): the one task model is a copy of the base (0 changes,
-    retention n/a). The old sentence said RAM "adds its whole task vector"."""
-    verdict = verdict_on(["/m/copy"], ["copy"], [0], [[0]], [[None]], [None])
-    assert verdict.supports is None and verdict.diluted == ()
-    assert verdict.sentence.startswith(
+    assert copy["sentence"].startswith(
         "the task model changes no element above epsilon (1e-05), so there is "
         "nothing to merge and RAM returns the base model;"
     )
-    assert "check that the task model is not a copy of the base" in verdict.sentence
-    assert "whole" not in verdict.sentence
+    assert "check that the task model is not a copy of the base" in copy["sentence"]
 
 
 def test_agents_that_change_nothing_are_named_not_diluted():
@@ -204,20 +199,20 @@ def test_agents_that_change_nothing_are_named_not_diluted():
     ("RAM would dilute c (it keeps 0.00 ..."). It is named as changing
     nothing, and the others are judged without it."""
     verdict = three([0.6, 0.8, 0.0], changed=(100, 100, 0), epsilon=1e-5)
-    assert verdict.diluted == ("/m/a",)
-    assert [p.models for p in verdict.pairs] == [("/m/a", "/m/b")]
-    assert verdict.sentence.startswith(
+    assert verdict["diluted"] == ["/m/a"]
+    assert [p["models"] for p in verdict["pairs"]] == [["/m/a", "/m/b"]]
+    assert verdict["sentence"].startswith(
         "supports independent (lift 1.00: the agents change the same elements "
         "about as often as chance predicts); c changes nothing above epsilon "
         "(1e-05) and adds nothing to the merge; RAM would dilute a (it keeps 0.60 "
         "of its task vector, the other 0.80);"
     )
-    assert "dilute c" not in verdict.sentence
+    assert "dilute c" not in verdict["sentence"]
     equal = three([0.7, 0.7, None], changed=(100, 100, 0))
-    assert "RAM would dilute every other agent about equally" in equal.sentence
+    assert "RAM would dilute every other agent about equally" in equal["sentence"]
     whole = three([0.95, 1.0, 0.0], changed=(100, 100, 0))
-    assert whole.diluted == ()
-    assert "RAM keeps at least 0.9 of every other agent's" in whole.sentence
+    assert whole["diluted"] == []
+    assert "RAM keeps at least 0.9 of every other agent's" in whole["sentence"]
 
 
 def test_shared_ties_in_use_is_not_suggested():
@@ -227,8 +222,8 @@ def test_shared_ties_in_use_is_not_suggested():
     what remains to try."""
     kept = [0.6, 0.8, 0.8]
     ties = three(kept, shared="ties")
-    assert "try `shared: ties`" not in ties.sentence
-    assert ties.sentence.endswith(
+    assert "try `shared: ties`" not in ties["sentence"]
+    assert ties["sentence"].endswith(
         "this configuration already uses `shared: ties`, which kept such an "
         "agent's task vector in mergekit-ram's agent benchmark and scored level "
         "with the best tuned baseline there, where RAM scored below it (numbers: "
@@ -237,16 +232,41 @@ def test_shared_ties_in_use_is_not_suggested():
         "tuned task arithmetic / TIES / DARE."
     )
     overlapping = three(kept, lift=OVERLAPPING * UP, shared="ties")
-    assert "`shared: ties`, which this configuration uses, " in overlapping.sentence
+    assert "`shared: ties`, which this configuration uses, " in overlapping["sentence"]
     # Another mode, or none known, keeps the suggestion.
     for shared in ("mean", "base", None):
-        assert "try `shared: ties`" in three(kept, shared=shared).sentence
-    assert three(kept, shared="mean").sentence == three(kept).sentence
+        assert "try `shared: ties`" in three(kept, shared=shared)["sentence"]
+    assert three(kept, shared="mean")["sentence"] == three(kept)["sentence"]
 
 
 def regimes() -> dict:
     with open(RESULTS, encoding="utf-8") as handle:
         return json.load(handle)["regimes"]
+
+
+@pytest.mark.parametrize(
+    ("regime", "supports"),
+    [("heterogeneous", "independent"), ("homogeneous", "overlapping")],
+)
+def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
+    """On each regime's probe, the agent the verdict says RAM dilutes most is
+    one whose task RAM lost most accuracy on against the best tuned
+    baseline, and every such agent is named."""
+    block = regimes()[regime]
+    verdict = judge(block["probe"])
+    assert verdict["supports"] == supports
+    rows = block["rows"]
+    loss = {
+        task: rows[block["reference"]][task]["correct"] - rows["ram"][task]["correct"]
+        for task in rows["ram"]
+    }
+    worst = {task for task, lost in loss.items() if lost == max(loss.values())}
+    label = {t["model"]: t["label"] for t in block["probe"]["tasks"]}
+    named = [label[m] for m in verdict["diluted"]]
+    assert named and named[0] in worst
+    assert worst <= set(named)
+    who = "recall (" if regime == "heterogeneous" else "every agent about equally"
+    assert f"RAM would dilute {who}" in verdict["sentence"]
 
 
 # docs/analyze.md's table of what the verdict's advice rests on: (regime,
@@ -261,16 +281,19 @@ MEASURED_ROWS = {
 BASELINES = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
 
 
-def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
-    """docs/analyze.md, "What the benchmark measured", quotes results.json
-    (rounded as cited), and the verdict links to that section."""
+def test_docs_quote_the_verdicts_and_the_numbers_as_computed():
+    """docs/analyze.md quotes each regime's verdict as the stored report
+    gives it today, and, in "What the benchmark measured" (where the
+    verdict's advice points), results.json's numbers, rounded as cited."""
     docs = (Path(__file__).parent.parent / "docs/analyze.md").read_text("utf-8")
-    assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
-    assert "\n## What the benchmark measured\n" in docs
-    rows = {
-        tuple(c.strip() for c in line.split("|")[1:-1]) for line in docs.split("\n")
-    }
+    lines = docs.splitlines()
+    quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
     found = regimes()
+    for block in found.values():
+        assert judge(block["probe"])["sentence"] in quoted
+    assert MEASURED.endswith("docs/analyze.md#what-the-benchmark-measured")
+    assert "## What the benchmark measured" in lines
+    rows = {tuple(c.strip() for c in line.split("|")[1:-1]) for line in lines}
     for (regime, row), merge in MEASURED_ROWS.items():
         paired = found[regime]["paired"][row]
         low, high = (round(100 * v, 1) for v in paired["ci95"])
@@ -286,43 +309,3 @@ def test_the_numbers_the_verdict_points_to_are_the_benchmarks():
         f"RAM {kept['ram']['recall']:.2f}, RAM with `shared: ties` "
         f"{kept['shared_ties']['recall']:.2f}."
     ) in " ".join(docs.split())
-
-
-def probe_verdict(probe: dict):
-    """The verdict on a stored `analyze` report (report.json)."""
-    return judge(probe)
-
-
-@pytest.mark.parametrize(
-    ("regime", "supports"),
-    [("heterogeneous", "independent"), ("homogeneous", "overlapping")],
-)
-def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
-    """On each regime's probe, the agent the verdict says RAM dilutes most is
-    one whose task RAM lost most accuracy on against the best tuned
-    baseline, and every such agent is named."""
-    block = regimes()[regime]
-    verdict = probe_verdict(block["probe"])
-    assert verdict.supports == supports
-    rows = block["rows"]
-    loss = {
-        task: rows[block["reference"]][task]["correct"] - rows["ram"][task]["correct"]
-        for task in rows["ram"]
-    }
-    worst = {task for task, lost in loss.items() if lost == max(loss.values())}
-    label = {t["model"]: t["label"] for t in block["probe"]["tasks"]}
-    named = [label[m] for m in verdict.diluted]
-    assert named and named[0] in worst
-    assert worst <= set(named)
-    who = "recall (" if regime == "heterogeneous" else "every agent about equally"
-    assert f"RAM would dilute {who}" in verdict.sentence
-
-
-def test_docs_quote_the_verdicts_as_computed():
-    """docs/analyze.md quotes each regime's verdict: it is the sentence the
-    stored report gives today."""
-    page = Path(__file__).parent.parent / "docs/analyze.md"
-    lines = page.read_text(encoding="utf-8").splitlines()
-    quoted = " ".join(line[2:] for line in lines if line.startswith("> "))
-    for block in regimes().values():
-        assert probe_verdict(block["probe"]).sentence in quoted

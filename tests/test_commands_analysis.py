@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import re
 import sys
@@ -31,7 +30,6 @@ from mergekit_ram.analysis.report import PAPER_R, SCHEMA_VERSION, layer_of
 from mergekit_ram.analysis.verdict import NESTED, OVERLAPPING
 from mergekit_ram.commands.analysis import analyze_config
 from mergekit_ram.commands.cli import main
-from mergekit_ram.commands.merge_cli import parse_r_values
 from mergekit_ram.commands.report_files import REPORT_JSON
 from mergekit_ram.commands.synthetic import AgentSpec, build_models, merge_yaml
 from mergekit_ram.core.naming import MODULES, module_of
@@ -85,25 +83,15 @@ def read(path) -> dict:
         return json.load(handle)
 
 
-def without_timing(document: dict) -> dict:
-    return {k: v for k, v in document.items() if k != "seconds"}
-
-
 SURVIVAL = ("rescaled", "rescale_survived")
 
 
-def without_survival(document: dict) -> dict:
-    """A report or ram_statistics.json without what only a merge knows: how
-    much of λ survived the written dtype (analyze writes it as null)."""
+def comparable(document: dict) -> dict:
+    """A report or ram_statistics.json without its timing and what only a
+    merge knows: how much of λ survived the written dtype (analyze: null)."""
     tasks = [{k: t[k] for k in t if k not in SURVIVAL} for t in document["tasks"]]
-    return {k: v for k, v in document.items() if k != "written_dtypes"} | {
-        "tasks": tasks
-    }
-
-
-def survival(document: dict) -> tuple:
-    counted = [[t[k] for k in SURVIVAL] for t in document["tasks"]]
-    return document["written_dtypes"], counted
+    drop = {"seconds", "written_dtypes"}
+    return {k: v for k, v in document.items() if k not in drop} | {"tasks": tasks}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +100,9 @@ def analyzed(models, tmp_path_factory):
     root, paths = models
     config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
     out = tmp_path_factory.mktemp("analyze-out")
-    output = invoke("analyze", config, "--out", out, "--quiet", "--r", "0,0.05,0.1,0.2")
+    output = invoke(
+        "analyze", config, "--out", out, "--quiet", "--r", "0, 0.05,0.1,0.2"
+    )
     return config, out, output, read(out / REPORT_JSON)
 
 
@@ -128,8 +118,8 @@ def merged(models, tmp_path_factory):
     return statistics, read(out / "report" / REPORT_JSON)
 
 
-def test_counts_equal_dense_reference(analyzed, dense):
-    _config, _out, _output, report = analyzed
+def test_counts_and_scales_equal_dense_reference(analyzed, dense):
+    _config, _out, output, report = analyzed
     base, _tasks, counts = dense
     per_tensor = counts()
     n = len(NAMES)
@@ -156,6 +146,39 @@ def test_counts_equal_dense_reference(analyzed, dense):
     for row, ref_row in zip(report["pairwise"]["jaccard"], expected):
         assert row == pytest.approx(ref_row, rel=1e-12)
     assert len({round(v, 6) for row in expected for v in row}) > n  # not uniform
+    # Tensor-local λ: from each tensor where the task has unique elements.
+    for i, task in enumerate(report["tasks"]):
+        found = []  # (λ, elements, unique) in each tensor where the task has unique
+        for name, entry in per_tensor.items():
+            c, s, u, _ = reference.csu({name: entry}, n)
+            if u[i] > 0:
+                lam = reference.lam(c[i], s[i], u[i], 0.1, 2.0, "clip")
+                found.append((lam, base[name].numel(), u[i]))
+        lam, elements, unique = (np.array(v, dtype=float) for v in zip(*found))
+        mean, weighted = lam @ elements / elements.sum(), lam @ unique / unique.sum()
+        want = dict(mean=mean, unique_weighted_mean=weighted, min=lam.min())
+        want |= dict(max=lam.max(), tensors=len(found))
+        assert task["scale_tensor_local"] == pytest.approx(want)
+    # Global and tensor-local λ differ: the reason to show both.
+    assert any(
+        abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
+        for t in report["tasks"]
+    )
+    # The r sweep (--r 0, .05,0.1,.2), its table in order.
+    assert [s["r"] for s in report["sweep"]] == [0.0, 0.05, 0.1, 0.2]
+    for entry in report["sweep"]:
+        for i, task in enumerate(report["tasks"]):
+            lam = reference.lam(C[i], S[i], U[i], entry["r"], 2.0, "clip")
+            assert entry["scale"][task["model"]] == pytest.approx(lam, rel=1e-12)
+    zero = report["sweep"][0]
+    assert set(zero["scale"].values()) == {1.0}
+    assert set(zero["scale_tensor_local"].values()) == {1.0}
+    section = output.split("## λ sweep over r")[1].splitlines()
+    rows = [line.split("|")[1].strip() for line in section[4:8]]
+    assert rows == ["0", "0.05", "0.1", "0.2"]
+    # λ grows with r for a task that has shared elements.
+    lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
+    assert lams == sorted(lams) and lams[0] < lams[-1]
 
 
 def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
@@ -187,30 +210,6 @@ def test_per_layer_and_per_module_equal_dense_reference(analyzed, dense):
     # Density profile differs between layers (synthetic skew).
     first, second = ([t["changed"] for t in e["tasks"]] for e in report["per_layer"])
     assert first != second
-
-
-def test_tensor_local_scales_equal_dense_reference(analyzed, dense):
-    _config, _out, _output, report = analyzed
-    base, _tasks, counts = dense
-    per_tensor = counts()
-    n = len(NAMES)
-    for i, task in enumerate(report["tasks"]):
-        found = []  # (λ, elements, unique) in each tensor where the task has unique
-        for name, entry in per_tensor.items():
-            C, S, U, _ = reference.csu({name: entry}, n)
-            if U[i] > 0:
-                lam = reference.lam(C[i], S[i], U[i], 0.1, 2.0, "clip")
-                found.append((lam, base[name].numel(), U[i]))
-        lam, elements, unique = (np.array(v, dtype=float) for v in zip(*found))
-        mean, weighted = lam @ elements / elements.sum(), lam @ unique / unique.sum()
-        want = dict(mean=mean, unique_weighted_mean=weighted, min=lam.min())
-        want |= dict(max=lam.max(), tensors=len(found))
-        assert task["scale_tensor_local"] == pytest.approx(want)
-    # Global and tensor-local λ differ: the reason to show both.
-    assert any(
-        abs(t["scale"] - t["scale_tensor_local"]["unique_weighted_mean"]) > 1e-3
-        for t in report["tasks"]
-    )
 
 
 def dense_expectations(per_tensor, n):
@@ -329,11 +328,15 @@ def test_report_json_schema(analyzed, merged):
     # ram_statistics.json's fields are report fields with the same values;
     # only a merge counts λ's survival (analyze: null, merge --report: counts).
     statistics, merge_report = merged
-    for ours, theirs in zip(report["tasks"], without_survival(statistics)["tasks"]):
+    for ours, theirs in zip(report["tasks"], comparable(statistics)["tasks"]):
         assert {k: ours[k] for k in theirs} == theirs
     assert report["written_dtypes"] is None
     assert all(t[k] is None for t in report["tasks"] for k in SURVIVAL)
-    assert survival(merge_report) == survival(statistics)
+    for key in SURVIVAL:
+        assert [t[key] for t in merge_report["tasks"]] == [
+            t[key] for t in statistics["tasks"]
+        ]
+    assert merge_report["written_dtypes"] == statistics["written_dtypes"]
     assert sum(t["rescaled"] for t in statistics["tasks"]) > 0
 
 
@@ -423,7 +426,7 @@ def test_schema_document_matches_real_files(analyzed, merged):
 
 def test_cli_output_and_files(analyzed):
     _config, out, output, report = analyzed
-    titles = ["Per task", "k-way overlap", "Pairwise overlap (Jaccard)", "Per module"]
+    titles = ["Per task", "k-way overlap", "Per module"]
     titles += ["Per layer", "λ sweep over r", "Overlap against independent supports"]
     titles += ["Unique share and retention"]
     assert all(f"\n## {title}\n" in output for title in titles)
@@ -457,27 +460,7 @@ def analyze_figures():
     return list(FIGURES)
 
 
-def test_r_sweep_table(analyzed, dense):
-    _config, _out, output, report = analyzed
-    _base, _tasks, counts = dense
-    C, S, U, _ = reference.csu(counts(), len(NAMES))
-    assert [s["r"] for s in report["sweep"]] == [0.0, 0.05, 0.1, 0.2]
-    for entry in report["sweep"]:
-        for i, task in enumerate(report["tasks"]):
-            lam = reference.lam(C[i], S[i], U[i], entry["r"], 2.0, "clip")
-            assert entry["scale"][task["model"]] == pytest.approx(lam, rel=1e-12)
-    zero = report["sweep"][0]
-    assert set(zero["scale"].values()) == {1.0}
-    assert set(zero["scale_tensor_local"].values()) == {1.0}
-    section = output.split("## λ sweep over r")[1].splitlines()
-    rows = [line.split("|")[1].strip() for line in section[4:8]]
-    assert rows == ["0", "0.05", "0.1", "0.2"]
-    # λ grows with r for a task that has shared elements.
-    lams = [s["scale"][report["tasks"][1]["model"]] for s in report["sweep"]]
-    assert lams == sorted(lams) and lams[0] < lams[-1]
-
-
-@pytest.mark.parametrize("bad", ["-0.1", "abc", ","])
+@pytest.mark.parametrize("bad", ["-0.1", "abc", ",", "nan", "inf", ""])
 def test_bad_r_values_refused(analyzed, bad):
     config = analyzed[0]
     output = invoke("analyze", config, "--r", bad, expect=2)
@@ -522,45 +505,35 @@ def pass_counter(monkeypatch):
     return calls
 
 
-def test_merge_report_reuses_the_merge_statistics(models, tmp_path, pass_counter):
+@pytest.mark.parametrize(
+    ("method", "said"),
+    [
+        ("ramplus", "no extra pass"),  # the report from the merge's own pass
+        ("ram", "needed no whole-model statistics pass"),  # RAM: one for the report
+    ],
+)
+def test_merge_report_equals_analyze(models, tmp_path, pass_counter, method, said):
     root, paths = models
-    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
+    config = write_config(root, paths, method)
     merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
     output = invoke(*merge, "--quiet")
-    assert len(pass_counter) == 1  # the merge's own pass, nothing more
-    assert "no extra pass" in output
-    assert "## Per task" in output
+    assert len(pass_counter) == 1  # one pass for the merge and its report
+    assert said in output and "## Per task" in output
     assert (tmp_path / "merged" / "model.safetensors").exists()
-    merged_report = read(tmp_path / "rep" / "report.json")
-
+    report = read(tmp_path / "rep" / "report.json")
     invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
     assert len(pass_counter) == 2  # analyze: one pass, the hook did not run one
-    assert without_timing(without_survival(merged_report)) == without_timing(
-        without_survival(read(tmp_path / "ana" / "report.json"))
-    )
+    assert comparable(report) == comparable(read(tmp_path / "ana" / "report.json"))
     assert sorted(os.listdir(tmp_path / "rep")) == sorted(os.listdir(tmp_path / "ana"))
-    statistics = read(tmp_path / "merged" / "ram_statistics.json")
-    assert statistics["tasks"] == [
-        {k: t[k] for k in statistics["tasks"][0]} for t in merged_report["tasks"]
-    ]
-
-
-def test_merge_report_without_a_pass_analyzes_once(models, tmp_path, pass_counter):
-    root, paths = models
-    config = write_config(root, paths, "ram")
-    merge = ("merge", config, tmp_path / "merged", "--report", tmp_path / "rep")
-    output = invoke(*merge, "--quiet")
-    assert "needed no whole-model statistics pass" in output
-    assert len(pass_counter) == 1
-    assert not (tmp_path / "merged" / "ram_statistics.json").exists()
-    report = read(tmp_path / "rep" / "report.json")
-    assert report["r"] == 0 and all(t["scale"] == 1.0 for t in report["tasks"])
-    # RAM: the report adds the paper's RAM+ r so the user sees the λ it would give.
-    assert [s["r"] for s in report["sweep"]] == [PAPER_R]
-    invoke("analyze", config, "--out", tmp_path / "ana", "--quiet")
-    assert without_timing(report) == without_timing(
-        read(tmp_path / "ana" / "report.json")
-    )
+    statistics = tmp_path / "merged" / "ram_statistics.json"
+    if method == "ramplus":
+        tasks = read(statistics)["tasks"]
+        assert tasks == [{k: t[k] for k in tasks[0]} for t in report["tasks"]]
+    else:
+        assert not statistics.exists()
+        assert report["r"] == 0 and all(t["scale"] == 1 for t in report["tasks"])
+        # RAM: the report adds the paper's RAM+ r so the user sees its λ.
+        assert [s["r"] for s in report["sweep"]] == [PAPER_R]
 
 
 def test_other_merge_method_uses_paper_defaults(models, tmp_path, analyzed):
@@ -636,14 +609,6 @@ def test_module_and_layer_of_names(name, module, layer):
     assert layer_of(name) == layer
 
 
-def test_parse_r_values():
-    assert parse_r_values("0, 0.05,0.1,0.2") == [0.0, 0.05, 0.1, 0.2]
-    for bad in ("-1", "nan", "inf", "", "x"):
-        with pytest.raises(ValueError):
-            parse_r_values(bad)
-    assert math.isclose(parse_r_values("1e-1")[0], 0.1)
-
-
 # --- the verdict on agents built to each case ---------------------------------
 
 CASES = {
@@ -683,21 +648,26 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_verdict_says_which_case_and_which_agent(case):
+def test_verdict_and_notes_say_which_case_and_which_agent(case):
+    """The verdict, and the notes on unique share and lift only for the cases
+    the numbers show."""
     name, family, output, report, markdown = case
-    verdict = report["verdict"]
+    verdict, text = report["verdict"], flat(output)
     sentence = verdict["sentence"]
-    assert f"**Verdict:** {sentence}" in flat(output)
+    assert f"**Verdict:** {sentence}" in text
     assert f"**Verdict:** {sentence}" in markdown
     assert verdict["supports"] == name
     assert sentence.startswith(f"supports {name} (")
     kept = {t["model"]: t["retention"]["ram"] for t in report["tasks"]}
     lift = [v for row in report["pairwise"]["lift"] for v in row]
+    piled = "changes pile up on elements other tasks change too"
     if name == "independent":
         assert all(1 / OVERLAPPING < v < OVERLAPPING for v in lift)
         assert verdict["diluted"] == [family.paths["coder"]]
         assert "RAM would dilute coder (it keeps " in sentence
         assert "try `shared: ties`" in sentence
+        assert piled not in text and f"lift ≥ {OVERLAPPING:g}" not in text
+        assert "lift ≈ 1: independent supports" in text
     elif name == "overlapping":
         assert min(v for v in lift if v != 1.0) >= OVERLAPPING
         # All three keep about half, within a few percent of each other.
@@ -705,30 +675,16 @@ def test_verdict_says_which_case_and_which_agent(case):
         assert verdict["diluted"][0] == min(kept, key=kept.__getitem__)
         assert "RAM would dilute every agent about equally" in sentence
         assert "try tuned task arithmetic / TIES / DARE" in sentence
+        labels = [t["label"] for t in report["tasks"]]
+        assert f"Far below expected for {', '.join(labels)}: their {piled}" in text
+        assert f"lift ≥ {OVERLAPPING:g}: overlapping supports" in text
+        assert "lift ≈ 1" not in text
     else:
         (pair,) = verdict["pairs"]
         assert pair["inside"] >= NESTED
         assert verdict["diluted"] == [family.paths["inner"]]
         assert "100 % of inner's changes lie inside wide's" in sentence
         assert "RAM would dilute inner (it keeps " in sentence
-
-
-def test_notes_only_where_the_numbers_say_them(case):
-    """The unique-share note and the meaning of lift appear only for the
-    cases the numbers show."""
-    name, _family, output, report, _markdown = case
-    text = flat(output)
-    piled = "changes pile up on elements other tasks change too"
-    if name == "independent":
-        assert piled not in text
-        assert "lift ≈ 1: independent supports" in text
-        assert f"lift ≥ {OVERLAPPING:g}" not in text
-    elif name == "overlapping":
-        labels = [t["label"] for t in report["tasks"]]
-        assert f"Far below expected for {', '.join(labels)}: their {piled}" in text
-        assert f"lift ≥ {OVERLAPPING:g}: overlapping supports" in text
-        assert "lift ≈ 1" not in text
-    else:
         assert "nested: at least 90 % of one agent's changes" in text
 
 
@@ -746,26 +702,9 @@ def test_unique_share_notes_name_only_the_tasks_far_from_expected():
     ]
 
 
-def test_verdict_when_no_agent_changes_anything(models, tmp_path):
-    """`analyze --epsilon` above every change: the verdict says RAM returns
-    the base model (the sentences for other idle agents: test_analysis_verdict)."""
-    root, paths = models
-    config = write_config(root, paths, "ramplus", r=0.1, alpha=2.0)
-    out = tmp_path / "above"
-    output = invoke("analyze", config, "--epsilon", 100, "--out", out, "--quiet")
-    verdict = read(out / REPORT_JSON)["verdict"]
-    assert verdict["sentence"].startswith(
-        "no task model changes any element above epsilon (100), so there is "
-        "nothing to merge and RAM returns the base model; if epsilon is larger "
-        "than the fine-tuning's changes, lower `epsilon`"
-    )
-    assert verdict["supports"] is None and verdict["diluted"] == []
-    assert f"**Verdict:** {verdict['sentence']}" in flat(output)
-
-
 def test_the_verdict_does_not_advise_the_shared_mode_in_use(model_family, tmp_path):
     """The independent case is told to try `shared: ties`
-    (test_verdict_says_which_case_and_which_agent); the same agents merged
+    (test_verdict_and_notes_say_which_case_and_which_agent); the same agents merged
     with `shared: ties` are told it is in use."""
     family = model_family("verdict-independent", CASES["independent"])
     config = tmp_path / "ties.yml"

@@ -26,16 +26,6 @@ FIGURES = {
 }
 
 
-def available() -> bool:
-    """Whether matplotlib can be imported."""
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _colors(count: int, sequential: bool) -> list:
     """Colours for `count` series: ordered (overlap k) or categorical (tasks)."""
     import matplotlib
@@ -173,9 +163,13 @@ def regime(report: Report, figure: Any) -> None:
 
 
 def write_figures(report: Report, out_dir: str) -> list[str]:
-    """Draw every figure of FIGURES into out_dir; returns their file names."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    """Draw every figure of FIGURES into out_dir; returns their file names,
+    none without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return []
 
     draw = (overlap_histogram, density_per_layer, jaccard, regime)
     os.makedirs(out_dir, exist_ok=True)

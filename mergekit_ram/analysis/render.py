@@ -58,8 +58,8 @@ def section(
     return lines
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
+def _num(value: float | None, digits: int = 4, none: str = "–") -> str:
+    return none if value is None else f"{value:.{digits}f}"
 
 
 def _share(value: float | None) -> str:
@@ -96,18 +96,17 @@ UNIQUE_NOTES = {
 
 def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
     """A note for the tasks whose unique share is far from its expectation."""
-    found: dict[str, list[str]] = {"below": [], "above": []}
-    for t in tasks:
-        departure = unique_share_departure(
-            t["unique_share"], t["expected_unique_share"]
-        )
-        if departure is not None:
-            found[departure].append(t["label"])
-    return [
-        f"Far {d} expected for {', '.join(found[d])}: {why}."
-        for d, why in UNIQUE_NOTES.items()
-        if found[d]
-    ]
+    notes = []
+    for where, why in UNIQUE_NOTES.items():
+        names = [
+            t["label"]
+            for t in tasks
+            if unique_share_departure(t["unique_share"], t["expected_unique_share"])
+            == where
+        ]
+        if names:
+            notes.append(f"Far {where} expected for {', '.join(names)}: {why}.")
+    return notes
 
 
 def _per_task(report: Report) -> list[str]:
@@ -119,7 +118,7 @@ def _per_task(report: Report) -> list[str]:
             low, high = f"{local['min']:.4f}", f"{local['max']:.4f}"
             spread = f"{local['unique_weighted_mean']:.4f} [{low}, {high}]"
         counts = [f"{t[k]:,}" for k in ("changed", "unique", "shared")]
-        rho = "inf" if t["rho"] is None else f"{t['rho']:.4f}"
+        rho = _num(t["rho"], none="inf")
         scale = _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else "")
         unique = percent(t["unique"], t["changed"], 1)
         row = [t["label"], percent(t["changed"], t["elements"]), *counts]
@@ -154,15 +153,6 @@ def _k_way(report: Report) -> list[str]:
     return section("k-way overlap", headers, rows, [note])
 
 
-def _jaccard(report: Report) -> list[str]:
-    rows = [
-        [name] + [f"{v:.4f}" for v in row]
-        for name, row in zip(_labels(report), report["pairwise"]["jaccard"])
-    ]
-    note = "|m_s ∧ m_t| / |m_s ∨ m_t| of the change masks."
-    return section("Pairwise overlap (Jaccard)", [""] + _labels(report), rows, [note])
-
-
 def _independent(report: Report) -> list[str]:
     pair, labels = report["pairwise"], _labels(report)
     rows = []
@@ -175,9 +165,9 @@ def _independent(report: Report) -> list[str]:
             rows.append([f"{labels[s]} × {labels[t]}", *counts, lift, *jaccard])
     found = {p["supports"] for p in report["verdict"]["pairs"]}
     notes = [
-        "expected = Σ over tensors of n·d_s·d_t: the overlap of independent "
-        "random supports with the same per-tensor densities d; lift = overlap "
-        "/ expected.",
+        "Jaccard = |m_s ∧ m_t| / |m_s ∨ m_t| of the change masks; expected = Σ "
+        "over tensors of n·d_s·d_t: the overlap of independent random supports "
+        "with the same per-tensor densities d; lift = overlap / expected.",
         *(note for kind, note in LIFT_NOTES.items() if kind in found),
     ]
     headers = ["pair", "overlap", "expected", "lift", "Jaccard", "expected J."]
@@ -188,13 +178,11 @@ def _independent(report: Report) -> list[str]:
 def _retention(report: Report) -> list[str]:
     settings = report["retention"]
     methods = list(settings["methods"]) if settings else []
-    rows = []
-    for t in report["tasks"]:
-        kept = [(t["retention"] or {}).get(m) for m in methods]
-        shares = [_share(t["unique_share"]), _share(t["expected_unique_share"])]
-        rows.append(
-            [t["label"], *shares, *("n/a" if k is None else f"{k:.3f}" for k in kept)]
-        )
+    rows = [
+        [t["label"], _share(t["unique_share"]), _share(t["expected_unique_share"])]
+        + [_num((t["retention"] or {}).get(m), 3, "n/a") for m in methods]
+        for t in report["tasks"]
+    ]
     notes = [
         "unique % = the task's changes no other task makes; expected = the "
         "same for independent supports with the same per-tensor densities.",
@@ -215,45 +203,38 @@ def _retention(report: Report) -> list[str]:
     return section("Unique share and retention", headers, rows, notes)
 
 
-def _grouped(report: Report, field: str, detail: bool) -> list[list[str]]:
-    """Per group of tensors: its size, and each task's changed share of its
-    elements; `detail`: its tensors, and the unique share of those changes."""
+# Per group of tensors: its size, and each task's changed share of its elements;
+# per module also its tensors, and the unique share of those changes.
+GROUP_NOTES = {
+    "module": "Share of the module's parameters each task changes (and the "
+    "unique share of those changes).",
+    "layer": "Share of each layer's parameters the task changes.",
+}
+
+
+def _grouped(report: Report, field: str) -> list[str]:
+    detail = field == "module"
     rows = []
     for e in report[f"per_{field}"]:
-        cells = []
-        for x in e["tasks"]:
-            own = percent(x["unique"], x["changed"], 0)
-            cells.append(
-                percent(x["changed"], e["elements"]) + f" ({own} unique)" * detail
-            )
-        tensors = [str(e["tensors"])] if detail else []
+        cells = [
+            percent(x["changed"], e["elements"])
+            + f" ({percent(x['unique'], x['changed'], 0)} unique)" * detail
+            for x in e["tasks"]
+        ]
+        tensors = [str(e["tensors"])] * detail
         rows.append([str(e[field]), *tensors, f"{e['elements']:,}", *cells])
-    return rows
-
-
-def _per_module(report: Report) -> list[str]:
-    note = (
-        "Share of the module's parameters each task changes (and the unique "
-        "share of those changes)."
-    )
-    headers = ["module", "tensors", "elements"] + _labels(report)
-    return section("Per module", headers, _grouped(report, "module", True), [note])
-
-
-def _per_layer(report: Report) -> list[str]:
-    rows = _grouped(report, "layer", False)
-    note = "Share of each layer's parameters the task changes."
-    headers = ["layer", "elements"] + _labels(report)
-    return section("Per layer", headers, rows, [note]) if rows else []
+    headers = [field, *["tensors"] * detail, "elements", *_labels(report)]
+    title = f"Per {field}"
+    return section(title, headers, rows, [GROUP_NOTES[field]]) if rows else []
 
 
 def _sweep(report: Report) -> list[str]:
-    rows = []
-    for s in report["sweep"]:
-        local = s["scale_tensor_local"]
-        models = [t["model"] for t in report["tasks"]]
-        lams = [f"{s['scale'][m]:.4f} / {_num(local[m])}" for m in models]
-        rows.append([f"{s['r']:g}", *lams])
+    models = [t["model"] for t in report["tasks"]]
+    rows = [
+        [f"{s['r']:g}"]
+        + [f"{s['scale'][m]:.4f} / {_num(s['scale_tensor_local'][m])}" for m in models]
+        for s in report["sweep"]
+    ]
     notes = [
         f"λ per task for each r ({_rule_text(report)}): global / tensor-local "
         "(mean over unique elements)."
@@ -267,8 +248,8 @@ def _sweep(report: Report) -> list[str]:
     return section("λ sweep over r", headers, rows, notes) if rows else []
 
 
-SECTIONS = (_per_task, _k_way, _jaccard, _independent, _retention)
-SECTIONS += (_per_module, _per_layer, _sweep)
+SECTIONS = (_per_task, _k_way, _independent, _retention)
+SECTIONS += (lambda r: _grouped(r, "module"), lambda r: _grouped(r, "layer"), _sweep)
 
 
 def render_markdown(report: Report) -> str:

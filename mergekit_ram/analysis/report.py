@@ -94,34 +94,26 @@ def tensor_local_scales(
     return found | dict(max=max(lams), tensors=len(values))
 
 
-def retention(analysis: Analysis, explicit: dict[Hashable, float]) -> dict | None:
+def retention(
+    stats: OverlapStatistics, settings: MergeSettings, explicit: dict[Hashable, float]
+) -> dict | None:
     """Per task, its retention under each method of METHODS, RAM+ with the
-    configuration's λ (the paper's r where it has r = 0, where RAM+ would be
-    RAM) in its statistics scope, an explicit unique_scale instead where set;
-    None without inner products."""
-    stats = analysis.stats
+    λ of `settings` in its statistics scope, an explicit unique_scale instead
+    where set; None without inner products."""
     if not stats.inner_products:
         return None
-    rule = retention_settings(analysis.settings).rule
-    ids = list(stats.tasks)
-    if analysis.settings.statistics == "tensor":
+    rule = settings.rule
+    if settings.statistics == "tensor":
         groups = []
         for name, products in stats.products.items():
-            local = {
-                t: rule.scale(c.shared, c.unique)
-                for t, c in stats.per_tensor[name].items()
-            }
+            counts = stats.per_tensor[name].items()
+            local = {t: rule.scale(c.shared, c.unique) for t, c in counts}
             groups.append((products, local | explicit))
     else:
         scales = stats.scales(rule, explicit)
         groups = [(products, scales) for products in stats.products.values()]
-    by_method = retentions(groups, ids)
-    return {t: {m: values[t] for m, values in by_method.items()} for t in ids}
-
-
-def retention_settings(settings: MergeSettings) -> MergeSettings:
-    """The settings retention's RAM+ uses: the paper's r where r = 0."""
-    return dataclasses.replace(settings, r=settings.r or PAPER_R)
+    by_method = retentions(groups, list(stats.tasks))
+    return {t: {m: values[t] for m, values in by_method.items()} for t in stats.tasks}
 
 
 def _grouped(
@@ -133,26 +125,25 @@ def _grouped(
 ) -> list[dict[str, Any]]:
     """Per group of tensors (`key` of a name; None: in no group), sorted
     by `order`: its size and each task's counts summed over it."""
-    groups: dict[Any, list] = {}
+    groups: dict[Any, dict[str, Any]] = {}
     for name, per_task in stats.per_tensor.items():
         group = key(name)
         if group is None:
             continue
-        entry = groups.setdefault(group, [0, 0, {i: TaskCounts() for i in ids}])
-        entry[0] += 1
-        entry[1] += next(iter(per_task.values())).elements if per_task else 0
+        new = {field: group, "tensors": 0, "elements": 0}
+        entry = groups.setdefault(
+            group, new | {"tasks": {i: TaskCounts() for i in ids}}
+        )
+        entry["tensors"] += 1
+        entry["elements"] += next(iter(per_task.values())).elements if per_task else 0
         for task_id, counts in per_task.items():
-            add_histogram(entry[2][task_id].histogram, counts.histogram)
-    out = []
-    for group in sorted(groups, key=order):
-        tensors, elements, counts = groups[group]
-        tasks = [
+            add_histogram(entry["tasks"][task_id].histogram, counts.histogram)
+    for entry in groups.values():
+        entry["tasks"] = [
             dict(model=str(i), changed=c.changed, shared=c.shared, unique=c.unique)
-            for i, c in counts.items()
+            for i, c in entry["tasks"].items()
         ]
-        out.append({field: group, "tensors": tensors, "elements": elements})
-        out[-1]["tasks"] = tasks
-    return out
+    return [groups[group] for group in sorted(groups, key=order)]
 
 
 def build_report(
@@ -174,7 +165,8 @@ def build_report(
     explicit = {
         i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
     }
-    kept = retention(analysis, explicit)
+    plus = dataclasses.replace(settings, r=settings.r or PAPER_R)
+    kept = retention(stats, plus, explicit)
     independent, alone = expected(changed_per_tensor(stats, ids), len(ids))
     for row, task_id, unique in zip(document["tasks"], ids, alone):
         local = tensor_local_scales(stats, task_id, rule)
@@ -197,8 +189,7 @@ def build_report(
         local = [tensor_local_scales(stats, i, swept) for i in ids]
         local = {str(i): x["unique_weighted_mean"] for i, x in zip(ids, local)}
         sweeps.append({"r": r, "scale": scale, "scale_tensor_local": local})
-    plus = retention_settings(settings).as_dict()
-    del plus["epsilon"]
+    plus = {k: v for k, v in plus.as_dict().items() if k != "epsilon"}
     report = {
         "schema_version": SCHEMA_VERSION,
         "method": analysis.method,
@@ -216,4 +207,4 @@ def build_report(
             "ta_mean_weight": 1.0 / len(ids) if ids else None,
         },
     }
-    return report | {"verdict": judge(report, analysis.shared).as_dict()}
+    return report | {"verdict": judge(report, analysis.shared)}

@@ -22,7 +22,6 @@ merge is the base model.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 # A pair overlaps when its lift (observed overlap / the overlap of independent
@@ -55,33 +54,21 @@ GLOSS = {
 }
 
 
-@dataclass(frozen=True)
-class PairSupports:
-    """How one pair's change masks relate; `inside`: the share of the smaller
-    mask that lies inside the larger (|m_s ∧ m_t| / min(C_s, C_t))."""
-
-    models: tuple[str, str]
-    supports: str
-    lift: float | None
-    inside: float
+Pair = dict[str, Any]  # models, supports, inside (report.json) and lift
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The verdict's findings and its sentence (report.json `verdict`)."""
-
-    sentence: str
-    supports: str | None = None
-    pairs: tuple[PairSupports, ...] = ()
-    diluted: tuple[str, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        pairs = [
-            dict(models=list(p.models), supports=p.supports, inside=p.inside)
-            for p in self.pairs
-        ]
-        found = dict(sentence=self.sentence, supports=self.supports)
-        return found | dict(diluted=list(self.diluted), pairs=pairs)
+def _verdict(
+    sentence: str,
+    supports: str | None = None,
+    pairs: Sequence[Pair] = (),
+    diluted: Sequence[str] = (),
+) -> dict[str, Any]:
+    """report.json `verdict`: the sentence and the findings it states; a
+    pair's `inside` is the share of the smaller change mask that lies inside
+    the larger (|m_s ∧ m_t| / min(C_s, C_t))."""
+    pairs = [{k: p[k] for k in ("models", "supports", "inside")} for p in pairs]
+    found = dict(sentence=sentence, supports=supports)
+    return found | dict(diluted=list(diluted), pairs=pairs)
 
 
 def pair_supports(lift: float | None, inside: float) -> str:
@@ -106,7 +93,7 @@ def unique_share_departure(
     return "above" if observed >= expected * OVERLAPPING else None
 
 
-def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
+def judge(report: Mapping[str, Any], shared: str | None = None) -> dict[str, Any]:
     """The verdict on a report's numbers (report.json without `verdict`):
     each task's changes, each pair's overlap and lift, each task's retention
     under RAM where computed (not after a merge's own pass); `shared`: the
@@ -118,25 +105,23 @@ def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
     active = [m for m in models if size[m] > 0]
     idle = [label[m] for m in models if size[m] == 0]
     above = f"above epsilon ({report['epsilon']:g})"
-    nothing = (
-        ["change nothing", "add"] if len(idle) != 1 else ["changes nothing", "adds"]
-    )
+    ends = "s" * (len(idle) == 1)  # "b changes", "b and c change"
     one = len(models) == 1
     if not active:
         who = "the task model changes no" if one else "no task model changes any"
         copies = "model is not a copy" if one else "models are not copies"
-        return Verdict(
+        return _verdict(
             f"{who} element {above}, so there is nothing to merge and RAM returns "
             "the base model; if epsilon is larger than the fine-tuning's changes, "
             f"lower `epsilon`, else check that the task {copies} of the base."
         )
     if one:
-        return Verdict(ONE_MODEL)
+        return _verdict(ONE_MODEL)
     if len(active) == 1:
         name = label[active[0]]
-        return Verdict(
-            f"only {name} changes anything {above}; {_names(idle)} {nothing[0]}: "
-            f"there is nothing for RAM to average, so it adds {name}'s task "
+        return _verdict(
+            f"only {name} changes anything {above}; {_names(idle)} change{ends} "
+            f"nothing: there is nothing for RAM to average, so it adds {name}'s task "
             "vector whole, as task arithmetic with weight 1 does."
         )
     pairs = []
@@ -145,10 +130,10 @@ def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
             smaller = min(size[a], size[b])
             if smaller:  # a model that changes nothing overlaps no one
                 inside, lift = pair["intersection"][s][t] / smaller, pair["lift"][s][t]
-                pairs.append(
-                    PairSupports((a, b), pair_supports(lift, inside), lift, inside)
-                )
-    supports = next(kind for kind in KINDS if any(p.supports == kind for p in pairs))
+                kind = pair_supports(lift, inside)
+                pairs.append(dict(models=[a, b], supports=kind, inside=inside))
+                pairs[-1]["lift"] = lift
+    supports = next(kind for kind in KINDS if any(p["supports"] == kind for p in pairs))
     kept = None
     if report["retention"] is not None:
         kept = {t["model"]: t["retention"]["ram"] for t in tasks if t["changed"]}
@@ -157,11 +142,10 @@ def judge(report: Mapping[str, Any], shared: str | None = None) -> Verdict:
     )
     clauses = [_supports_clause(pairs, label, size)]
     if idle:
-        clauses.append(
-            f"{_names(idle)} {nothing[0]} {above} and {nothing[1]} nothing to the merge"
-        )
+        idling = f"{_names(idle)} change{ends} nothing {above}"
+        clauses.append(f"{idling} and add{ends} nothing to the merge")
     clauses += [dilution, _advice(supports, len(diluted) == 1, shared)]
-    return Verdict("; ".join(clauses) + ".", supports, tuple(pairs), diluted)
+    return _verdict("; ".join(clauses) + ".", supports, pairs, diluted)
 
 
 def _span(values: Sequence[float], digits: int = 2) -> str:
@@ -174,27 +158,23 @@ def _names(items: Sequence[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _evidence(
-    kind: str, pairs: Sequence[PairSupports], label: Mapping, size: Mapping
-) -> str:
+def _evidence(kind: str, pairs: Sequence[Pair], label: Mapping, size: Mapping) -> str:
     """The numbers behind one kind of pair: containment or lift."""
     if kind == "nested":
         inside = []
         for p in pairs:
-            small, large = sorted(p.models, key=size.__getitem__)
-            share = f"{100 * p.inside:.0f} %"
+            small, large = sorted(p["models"], key=size.__getitem__)
+            share = f"{100 * p['inside']:.0f} %"
             inside.append(
                 f"{share} of {label[small]}'s changes lie inside {label[large]}'s"
             )
         return ", ".join(inside)
-    lifts = [p.lift for p in pairs if p.lift is not None]
+    lifts = [p["lift"] for p in pairs if p["lift"] is not None]
     return f"lift {_span(lifts)}" if lifts else "in different tensors"
 
 
-def _supports_clause(
-    pairs: Sequence[PairSupports], label: Mapping, size: Mapping
-) -> str:
-    kinds = [kind for kind in KINDS if any(p.supports == kind for p in pairs)]
+def _supports_clause(pairs: Sequence[Pair], label: Mapping, size: Mapping) -> str:
+    kinds = [kind for kind in KINDS if any(p["supports"] == kind for p in pairs)]
     if len(kinds) == 1:
         kind = kinds[0]
         evidence = _evidence(kind, pairs, label, size)
@@ -204,8 +184,8 @@ def _supports_clause(
         return f"supports {kind} ({evidence})"
     parts = []
     for kind in kinds:
-        group = [p for p in pairs if p.supports == kind]
-        names = _names([" × ".join(label[m] for m in p.models) for p in group])
+        group = [p for p in pairs if p["supports"] == kind]
+        names = _names([" × ".join(label[m] for m in p["models"]) for p in group])
         parts.append(f"{kind} for {names} ({_evidence(kind, group, label, size)})")
     return "supports mixed: " + ", ".join(parts)
 

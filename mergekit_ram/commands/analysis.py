@@ -116,5 +116,4 @@ def merge_with_analysis(
         "statistics: tensor, explicit unique_scale or another method); "
         "reading the models once more for the report."
     )
-    analysis = analyze_config(config, options)
-    return replace(analysis, survival=run.tally)
+    return replace(analyze_config(config, options), survival=run.tally)

@@ -50,7 +50,7 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
         with open(os.path.join(out_dir, REPORT_JSON), "w", encoding="utf-8") as handle:
             json.dump(strict_json(report), handle, indent=2, allow_nan=False)
             handle.write("\n")
-        names = figures.write_figures(report, out_dir) if figures.available() else []
+        names = figures.write_figures(report, out_dir)
         lines = ["", "## Figures", ""] + [
             f"![{os.path.splitext(n)[0]}]({n})" for n in names
         ]
