@@ -70,26 +70,12 @@ class Products:
     owned: list[list[float]]
     ram: list[float]
 
-    @classmethod
-    def zeros(cls, ids: Sequence[Hashable]) -> Products:
-        n = len(ids)
-        return cls(
-            list(ids), [[0.0] * n for _ in ids], [[0.0] * n for _ in ids], [0.0] * n
-        )
-
-    def add(self, sums: torch.Tensor) -> None:
-        """Add `inner_products`' (2N+1, N) block."""
-        values, n = sums.tolist(), len(self.ids)
-        for total, row in zip([*self.gram, *self.owned, self.ram], values):
-            for t in range(n):
-                total[t] += row[t]
-
 
 @torch.no_grad()
 def inner_products(
     block: torch.Tensor, counts: torch.Tensor, epsilon: float
 ) -> torch.Tensor:
-    """The (2N+1, N) float64 block Products.add takes, for one chunk.
+    """One chunk's (2N+1, N) float64 block of Products' sums.
 
     block (2N+1, n) float32 holds the N task vectors τ in its first rows
     (core.kernel.overlaps' ChunkReader rows, reused for every chunk); counts
@@ -118,6 +104,12 @@ class TaskCounts:
     elements: int = 0
     # Other task → changed elements both change (|m_self ∧ m_other|).
     intersections: dict[Hashable, int] = field(default_factory=dict)
+
+    def add(self, other: TaskCounts) -> None:
+        add_histogram(self.histogram, other.histogram)
+        self.elements += other.elements
+        for task, value in other.intersections.items():
+            self.intersections[task] = self.intersections.get(task, 0) + value
 
     @property
     def changed(self) -> int:
@@ -159,9 +151,9 @@ class LocalScales:
         scale: float,
     ) -> None:
         with self._lock:
-            total = self.tasks.setdefault(task, TaskCounts())
-            add_histogram(total.histogram, histogram)
-            total.elements += elements
+            self.tasks.setdefault(task, TaskCounts()).add(
+                TaskCounts(histogram, elements)
+            )
             low, high = self.scales.get(task, (scale, scale))
             self.scales[task] = (min(low, scale), max(high, scale))
             self.names.add(name)
@@ -199,27 +191,24 @@ class OverlapStatistics:
             PRODUCT_CHUNK if summing else COUNT_CHUNK,
             (lambda b, c: inner_products(b, c, self.epsilon)) if summing else None,
         )
-        if summing:
-            self.products[name] = Products.zeros(ids)
-            for part in sums:
-                self.products[name].add(part)
+        if summing:  # float64 sums in chunk order, as Python's would be
+            n = len(ids)
+            found = sum(sums, torch.zeros((2 * n + 1, n), dtype=torch.float64)).tolist()
+            self.products[name] = Products(ids, found[:n], found[n : 2 * n], found[-1])
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
             local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
-            self._add_to_total(task_id, local[task_id])
         self.per_tensor[name] = local
+        self._add_totals(local)
         self.num_tensors += 1
         self.num_elements += base.numel()
         return finite
 
-    def _add_to_total(self, task_id: Hashable, counts: TaskCounts) -> None:
-        """Add one tensor's counts of a task to its totals (add and in_order)."""
-        total = self.tasks.setdefault(task_id, TaskCounts())
-        add_histogram(total.histogram, counts.histogram)
-        total.elements += counts.elements
-        for other, value in counts.intersections.items():
-            total.intersections[other] = total.intersections.get(other, 0) + value
+    def _add_totals(self, local: Mapping[Hashable, TaskCounts]) -> None:
+        """Add one tensor's counts to each task's totals (add and in_order)."""
+        for task_id, counts in local.items():
+            self.tasks.setdefault(task_id, TaskCounts()).add(counts)
 
     def in_order(self, names: Iterable[str]) -> None:
         """Reorder as if the tensors had been added in `names`' order.
@@ -238,8 +227,7 @@ class OverlapStatistics:
         self.products = {n: self.products[n] for n in order if n in self.products}
         self.tasks = {}
         for local in self.per_tensor.values():
-            for task_id, counts in local.items():
-                self._add_to_total(task_id, counts)
+            self._add_totals(local)
 
     def scales(
         self,

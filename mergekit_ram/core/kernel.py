@@ -135,7 +135,7 @@ def chunked_walk(
         return work([(s, min(s + size, total)) for s in run.tolist()])
 
     with workers() as pool:  # the merge's, or one for this call
-        return pool.map(steps, torch.arange(0, total, size), device)
+        return pool.split(steps, torch.arange(0, total, size), device)
 
 
 # The signed integer type of each float width: comparing written values by
