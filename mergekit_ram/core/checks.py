@@ -56,13 +56,12 @@ def check_layout(
     if vocabulary_axis is None and module_of(name) in ("embeddings", "lm_head"):
         vocabulary_axis = 0
     if len(ranks) == 1 and axes == {vocabulary_axis}:
-        axis = vocabulary_axis
         hint = (
-            f"Only the vocabulary axis ({axis}) differs: the models have different "
-            "vocabularies. For a mergekit-yaml merge set `tokenizer_source: union` "
-            "(or `base`, or one model's path) in the config: mergekit then lines "
-            "the embedding rows up by token before merging. In-memory inputs must "
-            "be aligned by the caller."
+            f"Only the vocabulary axis ({vocabulary_axis}) differs: the models have "
+            "different vocabularies. For a mergekit-yaml merge set "
+            "`tokenizer_source: union` (or `base`, or one model's path) in the "
+            "config: mergekit then lines the embedding rows up by token before "
+            "merging. In-memory inputs must be aligned by the caller."
         )
     else:
         hint = (
@@ -100,19 +99,6 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def _refusal(name: str, model: Hashable, base: Hashable, tensor: torch.Tensor) -> str:
-    nan = int(torch.isnan(tensor).sum())
-    inf = int(torch.isinf(tensor).sum())
-    return (
-        f"Tensor {name} of {'base model' if model == base else 'model'} {model} "
-        f"has {nan} NaN and {inf} "
-        f"infinite values (of {tensor.numel()}, read as {tensor.dtype}); a merge "
-        "would carry them into the output. Fix the checkpoint, or set the merge "
-        "parameter `nonfinite: ignore` to treat them as unchanged (the output "
-        "keeps the base model's value there)."
-    )
-
-
 def finite_inputs(
     name: str,
     base_id: Hashable,
@@ -128,14 +114,21 @@ def finite_inputs(
     above ε) in the statistics and the kernel alike, and the output keeps the
     base's value, non-finite or not. Finite tensors are returned as they are.
     """
-    base_finite = _all_finite(base)
     if nonfinite == "refuse":
-        if not base_finite:
-            raise RAMInputError(_refusal(name, base_id, base_id, base))
-        for model, tensor in tasks.items():
-            if not _all_finite(tensor):
-                raise RAMInputError(_refusal(name, model, base_id, tensor))
+        for model, tensor in {base_id: base, **tasks}.items():
+            if _all_finite(tensor):
+                continue
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            raise RAMInputError(
+                f"Tensor {name} of {'base model' if model == base_id else 'model'} "
+                f"{model} has {nan} NaN and {inf} infinite values (of "
+                f"{tensor.numel()}, read as {tensor.dtype}); a merge would carry "
+                "them into the output. Fix the checkpoint, or set the merge "
+                "parameter `nonfinite: ignore` to treat them as unchanged (the "
+                "output keeps the base model's value there)."
+            )
         return dict(tasks)
+    base_finite = _all_finite(base)
     kept = {}
     for model, tensor in tasks.items():
         if base_finite and _all_finite(tensor):
@@ -161,16 +154,14 @@ def finite_output(
     """
     if _all_finite(written):
         return
-    new = ~torch.isfinite(written) & torch.isfinite(base)
-    count = int(new.sum())
+    count = int((~torch.isfinite(written) & torch.isfinite(base)).sum())
     if count == 0:
         return
-    largest = torch.finfo(written.dtype).max
     hint = "" if nonfinite == "refuse" else " (their finite values)"
     raise RAMInputError(
         f"Merged tensor {name} has {count} infinite or NaN values (of "
-        f"{written.numel()}, written as {written.dtype}, largest {largest:g}) "
-        f"where the inputs{hint} are finite: λ·τ overflowed. Lower the merge "
-        "parameters r, alpha or unique_scale, or write a wider dtype "
-        "(out_dtype: float32)."
+        f"{written.numel()}, written as {written.dtype}, largest "
+        f"{torch.finfo(written.dtype).max:g}) where the inputs{hint} are finite: "
+        "λ·τ overflowed. Lower the merge parameters r, alpha or unique_scale, or "
+        "write a wider dtype (out_dtype: float32)."
     )
