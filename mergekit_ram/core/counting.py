@@ -78,7 +78,7 @@ def inner_products(
     """One chunk's (2N+1, N) float64 block of Products' sums.
 
     block (2N+1, n) float32 holds the N task vectors τ in its first rows
-    (core.kernel.overlaps' ChunkReader rows, reused for every chunk); counts
+    (core.kernel.chunked_walk's rows, reused for every chunk); counts
     (n,) the overlap count. The other rows are filled here (owned, then RAM's
     merged τ at λ = 1). Rows of the result: gram, owned, ram (Products).
     """
