@@ -123,3 +123,16 @@ def state_dicts(
 def tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Exact equality, dtype included."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def rule_fn(rule, calls: list | None = None):
+    """The kernel's scale_fn: `rule` (a ScaleRule) on this tensor's k-way
+    histogram; each call's (index, histogram) is noted in `calls`."""
+
+    def scale_fn(index, histogram):
+        if calls is not None:
+            calls.append((index, histogram.clone()))
+        unique = int(histogram[0])
+        return rule.scale(int(histogram.sum()) - unique, unique)
+
+    return scale_fn

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensors import rule_fn
 
 from mergekit_ram.core.counting import OverlapStatistics, tensor_overlaps
 from mergekit_ram.core.kernel import overlap_counts, ram_merge_tensor
@@ -213,16 +214,6 @@ def scalings(draw, n, max_scale=MAX_SCALE):
 
 
 # --- helpers --------------------------------------------------------------
-
-
-def rule_fn(rule: ScaleRule):
-    """scale_fn for the kernel: the rule on this tensor's k-way histogram."""
-
-    def scale_fn(index, histogram):
-        unique = int(histogram[0])
-        return rule.scale(int(histogram.sum()) - unique, unique)
-
-    return scale_fn
 
 
 def merge(case: Case, scales, rule: ScaleRule) -> torch.Tensor:

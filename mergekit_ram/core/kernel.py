@@ -176,7 +176,6 @@ def ram_merge_tensor(
             scale_fn(index, torch.tensor(rows[index])) if scale is None else scale
             for index, scale in enumerate(scales)
         ]
-    scales = [float(scale) for scale in scales]
     # λ as float32 holds it (the plan refuses one beyond float32's range).
     factors = torch.tensor(scales, dtype=torch.float32).tolist()
     rescales = any(scale != 1.0 for scale in scales)
@@ -246,7 +245,7 @@ def ram_merge_tensor(
     walked = chunked_walk(base, tasks, epsilon, MERGE_CHUNK, merge)
     if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
         on_nonfinite()
-    if on_rescaled is not None and tally:
+    if tally:
         totals = sum(found for found, _ in walked).tolist()
         for index, scale in enumerate(scales):
             if scale != 1.0:
@@ -263,12 +262,10 @@ def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _has_negative_zero(values: torch.Tensor) -> bool:
-    """Whether float32 `values` hold −0.0: its bits are int32's minimum
-    (tensors without data, on the meta device, hold none)."""
+    """Whether float32 `values` (not empty) hold −0.0: its bits are int32's
+    minimum (tensors without data, on the meta device, hold none)."""
     bits = values.view(torch.int32)
-    if bits.numel() == 0 or bits.is_meta:
-        return False
-    return int(bits.min()) == torch.iinfo(torch.int32).min
+    return not bits.is_meta and int(bits.min()) == torch.iinfo(torch.int32).min
 
 
 # Called per chunk of a count walk with a (2N+1, width) float32 block holding
