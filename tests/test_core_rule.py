@@ -39,21 +39,6 @@ def test_scale_matches_reference(rule):
     assert rule.scale(7, 0) == rule.limit()
 
 
-def test_clip_and_soft_formulas():
-    rule = ScaleRule(r=0.1, alpha=2.0)
-    assert rule.saturation == "clip" and rule.limit() == pytest.approx(1.2)
-    assert rule.scale(6, 2) == rule.scale(4, 2) == pytest.approx(1 + 0.1 * 2.0)
-    assert rule.scale(3, 2) == pytest.approx(1 + 0.1 * 1.5)  # ρ < α
-    soft = ScaleRule(r=0.5, alpha=0.5, saturation="soft")
-    # Both forms of the spec: 1 + r·ρ/(1+ρ) = 1 + r·S/C; alpha plays no part.
-    assert soft.scale(5, 2) == pytest.approx(1 + 0.5 * 5 / 7, rel=1e-15)
-    assert soft.scale(5, 2) == ScaleRule(0.5, 0.0, "soft").scale(5, 2)
-    assert soft.limit() == 1.5
-    assert soft.scale(10**12, 1) == pytest.approx(soft.limit(), rel=1e-9)
-    with pytest.raises(AttributeError):
-        rule.r = 0.2
-
-
 PARAMS = dict(epsilon=1e-5, r=0.1, alpha=2.0, saturation="clip", statistics="global")
 
 
