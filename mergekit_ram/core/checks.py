@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.naming import module_of
@@ -25,7 +26,7 @@ def from_base(dtype: torch.dtype | None) -> bool:
 
 def check_layout(
     name: str,
-    tensors: Mapping[Hashable, torch.Tensor],
+    tensors: Mapping[Hashable, Tensor],
     base: Hashable,
     vocabulary_axis: int | None = None,
 ) -> None:
@@ -89,7 +90,7 @@ def uncomputable(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def _all_finite(tensor: Tensor) -> bool:
     """Whether every element is finite.
 
     A sum is about ten times cheaper than isfinite().all() and is non-finite
@@ -102,10 +103,10 @@ def _all_finite(tensor: torch.Tensor) -> bool:
 def finite_inputs(
     name: str,
     base_id: Hashable,
-    base: torch.Tensor,
-    tasks: Mapping[Hashable, torch.Tensor],
+    base: Tensor,
+    tasks: Mapping[Hashable, Tensor],
     nonfinite: str,
-) -> dict[Hashable, torch.Tensor]:
+) -> dict[Hashable, Tensor]:
     """The task tensors to merge, after the `nonfinite` rule.
 
     `refuse` raises on the first NaN or Inf in the base or a task. `ignore`
@@ -141,10 +142,7 @@ def finite_inputs(
 
 
 def finite_output(
-    name: str,
-    base: torch.Tensor,
-    written: torch.Tensor,
-    nonfinite: str = "refuse",
+    name: str, base: Tensor, written: Tensor, nonfinite: str = "refuse"
 ) -> None:
     """Refuse a merged tensor that became non-finite where its base is finite.
 

@@ -18,6 +18,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.checks import check_layout, from_base
 from mergekit_ram.core.kernel import overlaps
@@ -25,7 +26,7 @@ from mergekit_ram.core.rule import ScaleRule
 
 
 def tensor_overlaps(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+    base: Tensor, tasks: Sequence[Tensor], epsilon: float
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(histograms, intersections) of one tensor group (`core.kernel.overlaps`).
 
@@ -72,9 +73,7 @@ class Products:
 
 
 @torch.no_grad()
-def inner_products(
-    block: torch.Tensor, counts: torch.Tensor, epsilon: float
-) -> torch.Tensor:
+def inner_products(block: Tensor, counts: Tensor, epsilon: float) -> Tensor:
     """One chunk's (2N+1, N) float64 block of Products' sums.
 
     block (2N+1, n) float32 holds the N task vectors τ in its first rows
@@ -173,12 +172,7 @@ class OverlapStatistics:
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
 
-    def add(
-        self,
-        name: str,
-        base: torch.Tensor,
-        tasks: Mapping[Hashable, torch.Tensor],
-    ) -> bool:
+    def add(self, name: str, base: Tensor, tasks: Mapping[Hashable, Tensor]) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
         whether every task vector was finite (`core.kernel.overlaps`)."""
         if name in self.per_tensor:
@@ -230,9 +224,7 @@ class OverlapStatistics:
             self._add_totals(local)
 
     def scales(
-        self,
-        rule: ScaleRule,
-        explicit: Mapping[Hashable, float | None] | None = None,
+        self, rule: ScaleRule, explicit: Mapping[Hashable, float | None] | None = None
     ) -> dict[Hashable, float]:
         """Global λ per task from the whole-model totals.
 
@@ -247,7 +239,7 @@ class OverlapStatistics:
 
 
 def group_tensors(
-    tensors: Mapping[Hashable, torch.Tensor],
+    tensors: Mapping[Hashable, Tensor],
     base_id: Hashable,
     order: Iterable[Hashable],
     device: torch.device | None,

@@ -14,22 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.parallel import workers
 
-# Called with (task index, that task's k-way histogram in this tensor) when a
-# task has no explicit scale; returns the scale for its unique elements.
-ScaleFn = Callable[[int, torch.Tensor], float]
-# Called once per task whose scale λ ≠ 1 with (task index, its unique elements
-# in this tensor, how many of them λ still changes once rounded to the output
-# dtype).
-RescaleFn = Callable[[int, int, int], None]
 T = TypeVar("T")
 
 
-def task_vector(
-    task: torch.Tensor, base32: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def task_vector(task: Tensor, base32: Tensor, out: Tensor | None = None) -> Tensor:
     """τ = θ_t − θ₀ in float32, into `out` (else a new tensor); the inputs
     are untouched.
 
@@ -41,15 +33,13 @@ def task_vector(
     return out.copy_(task).sub_(base32)
 
 
-def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
+def change_mask(tau: Tensor, epsilon: float) -> Tensor:
     """m = |τ| > ε, strict and absolute (a NaN τ is unchanged)."""
     return tau.abs() > epsilon
 
 
 @torch.no_grad()
-def overlap_counts(
-    base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> torch.Tensor:
+def overlap_counts(base32: Tensor, tasks: Sequence[Tensor], epsilon: float) -> Tensor:
     """c_i: how many task models change element i (int32, whole tensor)."""
     counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
     for task in tasks:
@@ -69,15 +59,15 @@ DEVICE_CHUNK = 1 << 24
 # One worker's reader of a tensor group: read(start, stop, counted=True) gives
 # θ₀, τ (a row per task), m (1.0 / 0.0) and (`counted`) c of elements
 # [start, stop), all float32, overwriting the last chunk read.
-Reader = Callable[..., tuple[torch.Tensor, ...]]
+Reader = Callable[..., tuple[Tensor, ...]]
 
 
 def chunked_walk(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     epsilon: float,
     chunk: int,
-    work: Callable[[Reader, torch.Tensor, torch.Tensor, list[tuple[int, int]]], T],
+    work: Callable[[Reader, Tensor, Tensor, list[tuple[int, int]]], T],
     *,
     extra: tuple[int, int] = (0, 0),
     exact: bool = False,
@@ -98,7 +88,7 @@ def chunked_walk(
     total, device, n = flat_base.numel(), flat_base.device, len(tasks)
     size = chunk if device.type == "cpu" or exact else max(chunk, DEVICE_CHUNK)
 
-    def run(starts: torch.Tensor) -> T:
+    def run(starts: Tensor) -> T:
         steps = [(s, min(s + size, total)) for s in starts.tolist()]
         width = max((stop - start for start, stop in steps), default=0)
         like: dict[str, Any] = dict(dtype=torch.float32, device=device)
@@ -135,16 +125,16 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # and the in-place steps with out= would otherwise be refused.
 @torch.no_grad()
 def ram_merge_tensor(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     *,
     epsilon: float,
     scales: Sequence[float | None],
-    scale_fn: ScaleFn | None = None,
+    scale_fn: Callable[[int, Tensor], float] | None = None,
     out_dtype: torch.dtype | None = None,
-    on_rescaled: RescaleFn | None = None,
+    on_rescaled: Callable[[int, int, int], None] | None = None,
     on_nonfinite: Callable[[], None] | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Merge one tensor by the RAM rule; returns out_dtype (default: base's).
 
     The float32 result is rounded once, to the dtype that will be written.
@@ -153,17 +143,17 @@ def ram_merge_tensor(
     θ₀ + Σ_active τ_t / c (the mean of the active task vectors, summed in task
     order as stock mergekit does, so λ = 1 reproduces it bit for bit). A task
     whose scale is None gets `scale_fn(index, histogram)` from this tensor's
-    own counts (the tensor-local statistics scope; one more read of the
-    inputs). `on_rescaled` hears, for each task with λ ≠ 1, how many unique
-    elements it rescaled and how many of those still differ from RAM's value
-    once written. Callers refuse or replace non-finite inputs (the
-    `nonfinite` rule): first, or, refusing, after the walk, which calls
-    `on_nonfinite` when some chunk's sum of τ was not finite (every τ is
-    finite otherwise; an overflowing sum only says "look closer"), so the
-    inputs need no read of their own. A τ that is NaN (a non-finite base,
-    which `nonfinite: ignore` hands on with every task's value there replaced
-    by it) counts as unchanged, as in the count, so such an element keeps
-    the base's value.
+    own counts (its k-way histogram: the tensor-local statistics scope; one
+    more read of the inputs). `on_rescaled(index, rescaled, survived)` hears,
+    for each task with λ ≠ 1, how many unique elements it rescaled and how
+    many of those still differ from RAM's value once written. Callers refuse
+    or replace non-finite inputs (the `nonfinite` rule): first, or,
+    refusing, after the walk, which calls `on_nonfinite` when some chunk's
+    sum of τ was not finite (every τ is finite otherwise; an overflowing sum
+    only says "look closer"), so the inputs need no read of their own. A τ
+    that is NaN (a non-finite base, which `nonfinite: ignore` hands on with
+    every task's value there replaced by it) counts as unchanged, as in the
+    count, so such an element keeps the base's value.
     """
     if len(scales) != len(tasks):
         raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
@@ -183,8 +173,8 @@ def ram_merge_tensor(
     out = torch.empty(base.numel(), dtype=written, device=base.device)
 
     def merge(
-        read: Reader, taus: torch.Tensor, _: torch.Tensor, steps: list[tuple[int, int]]
-    ) -> tuple[torch.Tensor, bool]:
+        read: Reader, taus: Tensor, _: Tensor, steps: list[tuple[int, int]]
+    ) -> tuple[Tensor, bool]:
         """In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c
         on the changed elements, as stock mergekit sums; a zero of either
         sign where c = 0). RAM+ multiplies δ by Λ = λ_t on task t's unique
@@ -253,7 +243,7 @@ def ram_merge_tensor(
     return out.view(base.shape)
 
 
-def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _sum(tau: Tensor, out: Tensor) -> Tensor:
     """Σ_t of the rows of `tau`, in task order, into `out`."""
     out.copy_(tau[0])
     for row in tau[1:]:
@@ -261,7 +251,7 @@ def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _has_negative_zero(values: torch.Tensor) -> bool:
+def _has_negative_zero(values: Tensor) -> bool:
     """Whether float32 `values` (not empty) hold −0.0: its bits are int32's
     minimum (tensors without data, on the meta device, hold none)."""
     bits = values.view(torch.int32)
@@ -270,15 +260,15 @@ def _has_negative_zero(values: torch.Tensor) -> bool:
 
 # Called per chunk of a count walk with a (2N+1, width) float32 block holding
 # the chunk's τ in its first N rows (the rest is the callee's) and c.
-ChunkFn = Callable[[torch.Tensor, torch.Tensor], T]
+ChunkFn = Callable[[Tensor, Tensor], T]
 # Up to this many tasks, one code per element holds which tasks change it.
 JOINT_LIMIT = 8
 
 
 @torch.no_grad()
 def overlaps(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     epsilon: float,
     chunk: int,
     each: ChunkFn | None = None,
@@ -302,8 +292,8 @@ def overlaps(
     n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
 
     def count(
-        read: Reader, taus: torch.Tensor, masks: torch.Tensor, steps: list
-    ) -> tuple[torch.Tensor, torch.Tensor, list]:
+        read: Reader, taus: Tensor, masks: Tensor, steps: list
+    ) -> tuple[Tensor, Tensor, list]:
         shape = (1 << n,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
         summed = torch.zeros((), dtype=torch.float32, device=base.device)

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.kernel import (
     change_mask,
@@ -44,17 +45,17 @@ from mergekit_ram.core.kernel import (
 )
 
 # (float32 base, mask of the shared elements) -> their values, flat.
-SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SharedRule = Callable[[Tensor, Tensor], Tensor]
 
 
 def ram_then_shared(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     rule: SharedRule,
     *,
     epsilon: float,
     **kernel: Any,
-) -> torch.Tensor:
+) -> Tensor:
     """RAM's merge with the shared elements (c ≥ 2) replaced by `rule`;
     returns out_dtype (default: base's). Each element is rounded once: RAM's
     float32 value or the rule's. `kernel` holds ram_merge_tensor's scales,
@@ -68,8 +69,8 @@ def ram_then_shared(
 
 
 def unique_merge_tensor(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], **options: Any
-) -> torch.Tensor:
+    base: Tensor, tasks: Sequence[Tensor], **options: Any
+) -> Tensor:
     """RAM with the base's value on shared elements (options as
     ram_then_shared's)."""
     return ram_then_shared(
@@ -77,7 +78,7 @@ def unique_merge_tensor(
     )
 
 
-def _trimmed(values: torch.Tensor, k: int) -> torch.Tensor:
+def _trimmed(values: Tensor, k: int) -> Tensor:
     """values where |value| ≥ its k-th smallest magnitude, else 0 (k < 1: all)."""
     if k < 1:
         return values
@@ -87,21 +88,21 @@ def _trimmed(values: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def ties_merge_tensor(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     *,
     epsilon: float,
     density: float,
     **options: Any,
-) -> torch.Tensor:
+) -> Tensor:
     """RAM with shared-region TIES on the shared elements (other options as
     ram_then_shared's); the float32 result rounded once."""
 
-    def rule(base32: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    def rule(base32: Tensor, shared: Tensor) -> Tensor:
         n = int(shared.sum())
         k = int((1.0 - density) * n)
 
-        def kept(task: torch.Tensor) -> torch.Tensor:
+        def kept(task: Tensor) -> Tensor:
             """τ·m of one task on the shared elements, flat, trimmed."""
             tau = task_vector(task, base32)[shared]
             return _trimmed(torch.where(change_mask(tau, epsilon), tau, 0.0), k)

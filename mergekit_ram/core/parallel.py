@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from typing import TypeVar
 
 import torch
+from torch import Tensor
 
 T = TypeVar("T")
 
@@ -33,10 +34,7 @@ class Workers(ThreadPoolExecutor):
         super().__init__(max(1, self.count - 1), thread_name_prefix="mergekit-ram")
 
     def split(
-        self,
-        work: Callable[[torch.Tensor], T],
-        items: torch.Tensor,
-        device: torch.device,
+        self, work: Callable[[Tensor], T], items: Tensor, device: torch.device
     ) -> list[T]:
         """`work` on contiguous runs of `items`, one run per worker on CPU
         (one run elsewhere: the device parallelises each op); results in run
