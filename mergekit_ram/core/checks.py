@@ -16,6 +16,9 @@ from torch import Tensor
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.naming import module_of
 
+# One tensor of every model (base and task models), by model.
+Group = Mapping[Hashable, Tensor]
+
 
 def from_base(dtype: torch.dtype | None) -> bool:
     """The one rule for buffers: RAM merges floating-point tensors only, so
@@ -25,10 +28,7 @@ def from_base(dtype: torch.dtype | None) -> bool:
 
 
 def check_layout(
-    name: str,
-    tensors: Mapping[Hashable, Tensor],
-    base: Hashable,
-    vocabulary_axis: int | None = None,
+    name: str, tensors: Group, base: Hashable, vocabulary_axis: int | None = None
 ) -> None:
     """Refuse task tensors whose kind or shape differs from the base's.
 
@@ -101,11 +101,7 @@ def _all_finite(tensor: Tensor) -> bool:
 
 
 def finite_inputs(
-    name: str,
-    base_id: Hashable,
-    base: Tensor,
-    tasks: Mapping[Hashable, Tensor],
-    nonfinite: str,
+    name: str, base_id: Hashable, base: Tensor, tasks: Group, nonfinite: str
 ) -> dict[Hashable, Tensor]:
     """The task tensors to merge, after the `nonfinite` rule.
 

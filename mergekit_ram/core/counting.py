@@ -16,11 +16,12 @@ import math
 import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from mergekit_ram.core.checks import check_layout, from_base
+from mergekit_ram.core.checks import Group, check_layout, from_base
 from mergekit_ram.core.kernel import overlaps
 from mergekit_ram.core.rule import ScaleRule
 
@@ -142,17 +143,11 @@ class LocalScales:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(
-        self,
-        name: str,
-        task: Hashable,
-        elements: int,
-        histogram: list[int],
-        scale: float,
+        self, name: str, task: Hashable, elements: int, histogram: list, scale: float
     ) -> None:
         with self._lock:
-            self.tasks.setdefault(task, TaskCounts()).add(
-                TaskCounts(histogram, elements)
-            )
+            counts = TaskCounts(histogram, elements)
+            self.tasks.setdefault(task, TaskCounts()).add(counts)
             low, high = self.scales.get(task, (scale, scale))
             self.scales[task] = (min(low, scale), max(high, scale))
             self.names.add(name)
@@ -172,19 +167,16 @@ class OverlapStatistics:
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
 
-    def add(self, name: str, base: Tensor, tasks: Mapping[Hashable, Tensor]) -> bool:
+    def add(self, name: str, base: Tensor, tasks: Group) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
         whether every task vector was finite (`core.kernel.overlaps`)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids, summing = list(tasks), self.inner_products
-        rows, pairs, finite, sums = overlaps(
-            base,
-            [tasks[i] for i in ids],
-            self.epsilon,
-            PRODUCT_CHUNK if summing else COUNT_CHUNK,
-            (lambda b, c: inner_products(b, c, self.epsilon)) if summing else None,
-        )
+        each = partial(inner_products, epsilon=self.epsilon) if summing else None
+        chunk = PRODUCT_CHUNK if summing else COUNT_CHUNK
+        counted = overlaps(base, list(tasks.values()), self.epsilon, chunk, each)
+        rows, pairs, finite, sums = counted
         if summing:  # float64 sums in chunk order, as Python's would be
             n = len(ids)
             found = sum(sums, torch.zeros((2 * n + 1, n), dtype=torch.float64)).tolist()
@@ -239,7 +231,7 @@ class OverlapStatistics:
 
 
 def group_tensors(
-    tensors: Mapping[Hashable, Tensor],
+    tensors: Group,
     base_id: Hashable,
     order: Iterable[Hashable],
     device: torch.device | None,
