@@ -11,11 +11,7 @@ from tensors import EPSILON, as_dicts, cast, on, sparse_tasks, state_dicts
 
 from mergekit_ram.core import counting
 from mergekit_ram.core.checks import finite_inputs, finite_output
-from mergekit_ram.core.counting import (
-    OverlapStatistics,
-    group_tensors,
-    tensor_overlaps,
-)
+from mergekit_ram.core.counting import OverlapStatistics, group_tensors, tensor_overlaps
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.kernel import JOINT_LIMIT
 from mergekit_ram.core.rule import ScaleRule

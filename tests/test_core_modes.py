@@ -34,12 +34,7 @@ def edge_case() -> tuple[torch.Tensor, list[torch.Tensor]]:
 def expected(base, tasks, *, density=0.1, scales=None, out_dtype=None):
     b, ts = as_dicts(base, tasks)
     merged, _ = reference.merge(
-        b,
-        ts,
-        shared="ties",
-        density=density,
-        unique_scale=scales,
-        out_dtype=out_dtype,
+        b, ts, shared="ties", density=density, unique_scale=scales, out_dtype=out_dtype
     )
     return merged["w"]
 

@@ -56,19 +56,16 @@ def check_layout(
     axes = {a for a in range(min(ranks)) if len({s[a] for s in shapes}) > 1}
     if vocabulary_axis is None and module_of(name) in ("embeddings", "lm_head"):
         vocabulary_axis = 0
-    if len(ranks) == 1 and axes == {vocabulary_axis}:
-        hint = (
-            f"Only the vocabulary axis ({vocabulary_axis}) differs: the models have "
-            "different vocabularies. For a mergekit-yaml merge set "
-            "`tokenizer_source: union` (or `base`, or one model's path) in the "
-            "config: mergekit then lines the embedding rows up by token before "
-            "merging. In-memory inputs must be aligned by the caller."
-        )
-    else:
-        hint = (
-            "RAM merges fine-tunes of one base model: every tensor must have the "
-            "base's shape (are these models of the same architecture and size?)."
-        )
+    hint = (
+        f"Only the vocabulary axis ({vocabulary_axis}) differs: the models have "
+        "different vocabularies. For a mergekit-yaml merge set "
+        "`tokenizer_source: union` (or `base`, or one model's path) in the "
+        "config: mergekit then lines the embedding rows up by token before "
+        "merging. In-memory inputs must be aligned by the caller."
+        if len(ranks) == 1 and axes == {vocabulary_axis}
+        else "RAM merges fine-tunes of one base model: every tensor must have the "
+        "base's shape (are these models of the same architecture and size?)."
+    )
     raise RAMInputError(
         f"Tensor {name} is {tuple(base_tensor.shape)} in the base model {base} "
         f"but {found}. {hint}"

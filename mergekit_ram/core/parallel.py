@@ -81,11 +81,9 @@ def workers() -> Iterator[Workers]:
 @contextmanager
 def using(pool: Workers | None) -> Iterator[None]:
     """Bind `pool` for the block (a merge task on a thread of its own)."""
-    if pool is None or _CURRENT.get() is pool:
-        yield
-        return
-    token = _CURRENT.set(pool)
+    token = None if pool is None or _CURRENT.get() is pool else _CURRENT.set(pool)
     try:
         yield
     finally:
-        _CURRENT.reset(token)
+        if token is not None:
+            _CURRENT.reset(token)
