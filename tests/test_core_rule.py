@@ -83,15 +83,12 @@ def reference_survival(base, tasks, scales, written):
 
 def kernel_survival(base, tasks, scales, written):
     heard = {}
+
+    def note(index, *counts):
+        heard[index] = counts
+
     out = ram_merge_tensor(
-        base,
-        tasks,
-        epsilon=EPSILON,
-        scales=scales,
-        out_dtype=written,
-        on_rescaled=lambda index, rescaled, survived: heard.update(
-            {index: (rescaled, survived)}
-        ),
+        base, tasks, epsilon=EPSILON, scales=scales, out_dtype=written, on_rescaled=note
     )
     return out, heard
 

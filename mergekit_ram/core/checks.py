@@ -123,14 +123,12 @@ def finite_inputs(
             )
         return dict(tasks)
     base_finite = _all_finite(base)
-    kept = {}
+    kept = dict(tasks)
     for model, tensor in tasks.items():
-        if base_finite and _all_finite(tensor):
-            kept[model] = tensor
-            continue
-        usable = torch.isfinite(tensor) & torch.isfinite(base)
-        # where() promotes to the wider dtype, so the base's value is exact.
-        kept[model] = torch.where(usable, tensor, base)
+        if not (base_finite and _all_finite(tensor)):
+            usable = torch.isfinite(tensor) & torch.isfinite(base)
+            # where() promotes to the wider dtype, so the base's value is exact.
+            kept[model] = torch.where(usable, tensor, base)
     return kept
 
 

@@ -186,15 +186,11 @@ class OverlapStatistics:
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
             local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
         self.per_tensor[name] = local
-        self._add_totals(local)
+        for task_id, counts in local.items():
+            self.tasks.setdefault(task_id, TaskCounts()).add(counts)
         self.num_tensors += 1
         self.num_elements += base.numel()
         return finite
-
-    def _add_totals(self, local: Mapping[Hashable, TaskCounts]) -> None:
-        """Add one tensor's counts to each task's totals (add and in_order)."""
-        for task_id, counts in local.items():
-            self.tasks.setdefault(task_id, TaskCounts()).add(counts)
 
     def in_order(self, names: Iterable[str]) -> None:
         """Reorder as if the tensors had been added in `names`' order.
@@ -213,7 +209,8 @@ class OverlapStatistics:
         self.products = {n: self.products[n] for n in order if n in self.products}
         self.tasks = {}
         for local in self.per_tensor.values():
-            self._add_totals(local)
+            for task_id, counts in local.items():
+                self.tasks.setdefault(task_id, TaskCounts()).add(counts)
 
     def scales(
         self, rule: ScaleRule, explicit: Mapping[Hashable, float | None] | None = None
@@ -249,6 +246,6 @@ def group_tensors(
     if base is None or from_base(base.dtype):
         return None
     check_layout(name, tensors, base_id, vocabulary_axis)
-    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-    tasks = {m: move(tensors[m]) for m in order if m != base_id and m in tensors}
-    return move(base), tasks
+    # .to(None) is the tensor itself.
+    tasks = {m: tensors[m].to(device) for m in order if m != base_id and m in tensors}
+    return base.to(device), tasks

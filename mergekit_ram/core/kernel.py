@@ -119,6 +119,8 @@ def chunked_walk(
 # The signed integer type of each float width: comparing written values by
 # their bits costs one integer subtraction.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# −0.0's bits as int32: the smallest int32.
+_ZERO = torch.iinfo(torch.int32).min
 
 
 # No autograd: weights that require grad (module inputs) merge as plain data,
@@ -204,7 +206,8 @@ def ram_merge_tensor(
                 # unchanged, as mergekit's where() has it; ±∞ stays.
                 doubtful = True
                 torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            signed = _has_negative_zero(base32)
+            # θ₀ holds −0.0 (meta tensors hold no data).
+            signed = not base32.is_meta and int(base32.view(torch.int32).min()) == _ZERO
             if signed:
                 # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
                 # otherwise): there a task leaving an element unchanged adds
@@ -251,16 +254,6 @@ def _sum(tau: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def _has_negative_zero(values: Tensor) -> bool:
-    """Whether float32 `values` (not empty) hold −0.0: its bits are int32's
-    minimum (tensors without data, on the meta device, hold none)."""
-    bits = values.view(torch.int32)
-    return not bits.is_meta and int(bits.min()) == torch.iinfo(torch.int32).min
-
-
-# Called per chunk of a count walk with a (2N+1, width) float32 block holding
-# the chunk's τ in its first N rows (the rest is the callee's) and c.
-ChunkFn = Callable[[Tensor, Tensor], T]
 # Up to this many tasks, one code per element holds which tasks change it.
 JOINT_LIMIT = 8
 
@@ -271,7 +264,7 @@ def overlaps(
     tasks: Sequence[Tensor],
     epsilon: float,
     chunk: int,
-    each: ChunkFn | None = None,
+    each: Callable[[Tensor, Tensor], T] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], bool, list]:
     """(histograms, intersections, finite, each's results) of one tensor
     group, from one walk over it `chunk` elements a step.
@@ -285,7 +278,9 @@ def overlaps(
     which (with a task) holds exactly when base and tasks are, save where
     θ_t − θ₀ overflows float32; it rides on one sum per chunk (NaN and ±∞
     carry into it, an overflowing sum only says "look closer":
-    checks.finite_inputs). `each` (inner products) runs on every chunk; its
+    checks.finite_inputs). `each` (inner products) runs on every chunk, with
+    a (2N+1, width) float32 block holding the chunk's τ in its first N rows
+    (the rest is its own) and c; its
     results come back in chunk order, the chunks ending where they would on
     one thread, so float sums over them do not depend on the workers.
     """

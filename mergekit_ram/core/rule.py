@@ -138,9 +138,8 @@ class SurvivalTally:
 
     def add(self, task: Hashable, rescaled: int, survived: int, dtype: str) -> None:
         with self._lock:
-            entry = self.counts.setdefault(task, [0, 0])
-            entry[0] += rescaled
-            entry[1] += survived
+            before, kept = self.counts.get(task, (0, 0))
+            self.counts[task] = [before + rescaled, kept + survived]
             self.dtypes.add(dtype)
 
     def lost(self) -> bool:
