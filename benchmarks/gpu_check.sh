@@ -39,7 +39,6 @@ tests=(
   tests/test_core_rule.py
   tests/test_core_counting.py
   tests/test_core_modes.py
-  tests/test_core_checks.py
   tests/test_integration_methods.py
   tests/test_integration_methods_out_dtype.py
   tests/test_integration_statistics_survival.py

@@ -14,7 +14,7 @@ from tensors import EPSILON, as_dicts, cast, on, sparse_tasks
 from mergekit_ram.core import kernel
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.kernel import ram_merge_tensor
-from mergekit_ram.core.rule import MergeSettings, ScaleRule, SurvivalTally, varying_key
+from mergekit_ram.core.rule import MergeSettings, ScaleRule, SurvivalTally
 
 COUNTS = [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (5, 2), (3, 7), (1000, 1)]
 RULES = [
@@ -39,49 +39,28 @@ def test_scale_matches_reference(rule):
     assert rule.scale(7, 0) == rule.limit()
 
 
-def test_clip_and_soft_formulas():
-    rule = ScaleRule(r=0.1, alpha=2.0)
-    assert rule.saturation == "clip" and rule.limit() == pytest.approx(1.2)
-    assert rule.scale(6, 2) == rule.scale(4, 2) == pytest.approx(1 + 0.1 * 2.0)
-    assert rule.scale(3, 2) == pytest.approx(1 + 0.1 * 1.5)  # ρ < α
-    soft = ScaleRule(r=0.5, alpha=0.5, saturation="soft")
-    # Both forms of the spec: 1 + r·ρ/(1+ρ) = 1 + r·S/C; alpha plays no part.
-    assert soft.scale(5, 2) == pytest.approx(1 + 0.5 * 5 / 7, rel=1e-15)
-    assert soft.scale(5, 2) == ScaleRule(0.5, 0.0, "soft").scale(5, 2)
-    assert soft.limit() == 1.5
-    assert soft.scale(10**12, 1) == pytest.approx(soft.limit(), rel=1e-9)
-    with pytest.raises(AttributeError):
-        rule.r = 0.2
+PARAMS = dict(epsilon=1e-5, r=0.1, alpha=2.0, saturation="clip", statistics="global")
 
 
-ONE = {
-    "epsilon": {1e-5},
-    "r": {0.1},
-    "alpha": {2.0},
-    "saturation": {"clip"},
-    "statistics": {"global"},
-}
-
-
-def test_varying_key_under_global_statistics_only():
-    assert varying_key(ONE) is None
-    assert varying_key({**ONE, "epsilon": {1e-5, 1e-4}}) == "epsilon"
-    assert varying_key({**ONE, "alpha": {2.0, 1.0}}) == "alpha"
-    assert varying_key({**ONE, "r": {0.0, 0.1}}) == "r"
-    # r = 0 everywhere (RAM) or statistics: tensor: every tensor stands alone.
-    assert varying_key({**ONE, "r": {0.0}, "epsilon": {1e-5, 1e-4}}) is None
-    assert varying_key({**ONE, "statistics": {"tensor"}, "r": {0.1, 0.2}}) is None
-
-
-def test_from_parameters_names_two_tensors_that_disagree():
-    params = {key: next(iter(values)) for key, values in ONE.items()}
-    per_tensor = [("a", params), ("b", params), ("c", {**params, "alpha": 1.0})]
-    with pytest.raises(
-        RAMInputError, match="'alpha' is 2.0 for tensor a but 1.0 for c"
-    ):
-        MergeSettings.from_parameters(per_tensor)
-    settings = MergeSettings.from_parameters(per_tensor[:2])
-    assert settings.as_dict() == params
+@pytest.mark.parametrize(
+    "first, second, refused",
+    [
+        ({}, {"alpha": 1.0}, "'alpha' is 2.0 for tensor a but 1.0 for b"),
+        ({}, {"epsilon": 1e-4}, "'epsilon' is 1e-05 for tensor a but 0.0001"),
+        ({"r": 0.0}, {}, "'r' is 0.0 for tensor a but 0.1 for b"),
+        # r = 0 everywhere (RAM) or statistics: tensor: every tensor stands alone.
+        ({"r": 0.0}, {"r": 0.0, "epsilon": 1e-4}, None),
+        ({"statistics": "tensor"}, {"statistics": "tensor", "r": 0.2}, None),
+    ],
+)
+def test_global_statistics_need_one_value_per_merge(first, second, refused):
+    per_tensor = [("a", PARAMS | first), ("b", PARAMS | second), ("c", PARAMS | first)]
+    if refused:
+        with pytest.raises(RAMInputError, match=refused):
+            MergeSettings.from_parameters(per_tensor)
+    else:
+        settings = MergeSettings.from_parameters(per_tensor)
+        assert settings.as_dict() == PARAMS | first
     with pytest.raises(ValueError, match="no tensors"):
         MergeSettings.from_parameters([])
 
@@ -104,15 +83,12 @@ def reference_survival(base, tasks, scales, written):
 
 def kernel_survival(base, tasks, scales, written):
     heard = {}
+
+    def note(index, *counts):
+        heard[index] = counts
+
     out = ram_merge_tensor(
-        base,
-        tasks,
-        epsilon=EPSILON,
-        scales=scales,
-        out_dtype=written,
-        on_rescaled=lambda index, rescaled, survived: heard.update(
-            {index: (rescaled, survived)}
-        ),
+        base, tasks, epsilon=EPSILON, scales=scales, out_dtype=written, on_rescaled=note
     )
     return out, heard
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.core.naming import module_of
+
+# One tensor of every model (base and task models), by model.
+Group = Mapping[Hashable, Tensor]
 
 
 def from_base(dtype: torch.dtype | None) -> bool:
@@ -24,10 +28,7 @@ def from_base(dtype: torch.dtype | None) -> bool:
 
 
 def check_layout(
-    name: str,
-    tensors: Mapping[Hashable, torch.Tensor],
-    base: Hashable,
-    vocabulary_axis: int | None = None,
+    name: str, tensors: Group, base: Hashable, vocabulary_axis: int | None = None
 ) -> None:
     """Refuse task tensors whose kind or shape differs from the base's.
 
@@ -55,20 +56,16 @@ def check_layout(
     axes = {a for a in range(min(ranks)) if len({s[a] for s in shapes}) > 1}
     if vocabulary_axis is None and module_of(name) in ("embeddings", "lm_head"):
         vocabulary_axis = 0
-    if len(ranks) == 1 and axes == {vocabulary_axis}:
-        axis = vocabulary_axis
-        hint = (
-            f"Only the vocabulary axis ({axis}) differs: the models have different "
-            "vocabularies. For a mergekit-yaml merge set `tokenizer_source: union` "
-            "(or `base`, or one model's path) in the config: mergekit then lines "
-            "the embedding rows up by token before merging. In-memory inputs must "
-            "be aligned by the caller."
-        )
-    else:
-        hint = (
-            "RAM merges fine-tunes of one base model: every tensor must have the "
-            "base's shape (are these models of the same architecture and size?)."
-        )
+    hint = (
+        f"Only the vocabulary axis ({vocabulary_axis}) differs: the models have "
+        "different vocabularies. For a mergekit-yaml merge set "
+        "`tokenizer_source: union` (or `base`, or one model's path) in the "
+        "config: mergekit then lines the embedding rows up by token before "
+        "merging. In-memory inputs must be aligned by the caller."
+        if len(ranks) == 1 and axes == {vocabulary_axis}
+        else "RAM merges fine-tunes of one base model: every tensor must have the "
+        "base's shape (are these models of the same architecture and size?)."
+    )
     raise RAMInputError(
         f"Tensor {name} is {tuple(base_tensor.shape)} in the base model {base} "
         f"but {found}. {hint}"
@@ -90,7 +87,7 @@ def uncomputable(dtype: torch.dtype) -> str | None:
     return None
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
+def _all_finite(tensor: Tensor) -> bool:
     """Whether every element is finite.
 
     A sum is about ten times cheaper than isfinite().all() and is non-finite
@@ -100,26 +97,9 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
-def _refusal(name: str, model: Hashable, base: Hashable, tensor: torch.Tensor) -> str:
-    nan = int(torch.isnan(tensor).sum())
-    inf = int(torch.isinf(tensor).sum())
-    return (
-        f"Tensor {name} of {'base model' if model == base else 'model'} {model} "
-        f"has {nan} NaN and {inf} "
-        f"infinite values (of {tensor.numel()}, read as {tensor.dtype}); a merge "
-        "would carry them into the output. Fix the checkpoint, or set the merge "
-        "parameter `nonfinite: ignore` to treat them as unchanged (the output "
-        "keeps the base model's value there)."
-    )
-
-
 def finite_inputs(
-    name: str,
-    base_id: Hashable,
-    base: torch.Tensor,
-    tasks: Mapping[Hashable, torch.Tensor],
-    nonfinite: str,
-) -> dict[Hashable, torch.Tensor]:
+    name: str, base_id: Hashable, base: Tensor, tasks: Group, nonfinite: str
+) -> dict[Hashable, Tensor]:
     """The task tensors to merge, after the `nonfinite` rule.
 
     `refuse` raises on the first NaN or Inf in the base or a task. `ignore`
@@ -128,30 +108,32 @@ def finite_inputs(
     above ε) in the statistics and the kernel alike, and the output keeps the
     base's value, non-finite or not. Finite tensors are returned as they are.
     """
-    base_finite = _all_finite(base)
     if nonfinite == "refuse":
-        if not base_finite:
-            raise RAMInputError(_refusal(name, base_id, base_id, base))
-        for model, tensor in tasks.items():
-            if not _all_finite(tensor):
-                raise RAMInputError(_refusal(name, model, base_id, tensor))
+        for model, tensor in {base_id: base, **tasks}.items():
+            if _all_finite(tensor):
+                continue
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            raise RAMInputError(
+                f"Tensor {name} of {'base model' if model == base_id else 'model'} "
+                f"{model} has {nan} NaN and {inf} infinite values (of "
+                f"{tensor.numel()}, read as {tensor.dtype}); a merge would carry "
+                "them into the output. Fix the checkpoint, or set the merge "
+                "parameter `nonfinite: ignore` to treat them as unchanged (the "
+                "output keeps the base model's value there)."
+            )
         return dict(tasks)
-    kept = {}
+    base_finite = _all_finite(base)
+    kept = dict(tasks)
     for model, tensor in tasks.items():
-        if base_finite and _all_finite(tensor):
-            kept[model] = tensor
-            continue
-        usable = torch.isfinite(tensor) & torch.isfinite(base)
-        # where() promotes to the wider dtype, so the base's value is exact.
-        kept[model] = torch.where(usable, tensor, base)
+        if not (base_finite and _all_finite(tensor)):
+            usable = torch.isfinite(tensor) & torch.isfinite(base)
+            # where() promotes to the wider dtype, so the base's value is exact.
+            kept[model] = torch.where(usable, tensor, base)
     return kept
 
 
 def finite_output(
-    name: str,
-    base: torch.Tensor,
-    written: torch.Tensor,
-    nonfinite: str = "refuse",
+    name: str, base: Tensor, written: Tensor, nonfinite: str = "refuse"
 ) -> None:
     """Refuse a merged tensor that became non-finite where its base is finite.
 
@@ -161,16 +143,14 @@ def finite_output(
     """
     if _all_finite(written):
         return
-    new = ~torch.isfinite(written) & torch.isfinite(base)
-    count = int(new.sum())
+    count = int((~torch.isfinite(written) & torch.isfinite(base)).sum())
     if count == 0:
         return
-    largest = torch.finfo(written.dtype).max
     hint = "" if nonfinite == "refuse" else " (their finite values)"
     raise RAMInputError(
         f"Merged tensor {name} has {count} infinite or NaN values (of "
-        f"{written.numel()}, written as {written.dtype}, largest {largest:g}) "
-        f"where the inputs{hint} are finite: λ·τ overflowed. Lower the merge "
-        "parameters r, alpha or unique_scale, or write a wider dtype "
-        "(out_dtype: float32)."
+        f"{written.numel()}, written as {written.dtype}, largest "
+        f"{torch.finfo(written.dtype).max:g}) where the inputs{hint} are finite: "
+        "λ·τ overflowed. Lower the merge parameters r, alpha or unique_scale, or "
+        "write a wider dtype (out_dtype: float32)."
     )

@@ -16,16 +16,18 @@ import math
 import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+from torch import Tensor
 
-from mergekit_ram.core.checks import check_layout, from_base
+from mergekit_ram.core.checks import Group, check_layout, from_base
 from mergekit_ram.core.kernel import overlaps
 from mergekit_ram.core.rule import ScaleRule
 
 
 def tensor_overlaps(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
+    base: Tensor, tasks: Sequence[Tensor], epsilon: float
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(histograms, intersections) of one tensor group (`core.kernel.overlaps`).
 
@@ -70,29 +72,13 @@ class Products:
     owned: list[list[float]]
     ram: list[float]
 
-    @classmethod
-    def zeros(cls, ids: Sequence[Hashable]) -> Products:
-        n = len(ids)
-        return cls(
-            list(ids), [[0.0] * n for _ in ids], [[0.0] * n for _ in ids], [0.0] * n
-        )
-
-    def add(self, sums: torch.Tensor) -> None:
-        """Add `inner_products`' (2N+1, N) block."""
-        values, n = sums.tolist(), len(self.ids)
-        for total, row in zip([*self.gram, *self.owned, self.ram], values):
-            for t in range(n):
-                total[t] += row[t]
-
 
 @torch.no_grad()
-def inner_products(
-    block: torch.Tensor, counts: torch.Tensor, epsilon: float
-) -> torch.Tensor:
-    """The (2N+1, N) float64 block Products.add takes, for one chunk.
+def inner_products(block: Tensor, counts: Tensor, epsilon: float) -> Tensor:
+    """One chunk's (2N+1, N) float64 block of Products' sums.
 
     block (2N+1, n) float32 holds the N task vectors τ in its first rows
-    (core.kernel.overlaps' ChunkReader rows, reused for every chunk); counts
+    (core.kernel.chunked_walk's rows, reused for every chunk); counts
     (n,) the overlap count. The other rows are filled here (owned, then RAM's
     merged τ at λ = 1). Rows of the result: gram, owned, ram (Products).
     """
@@ -118,6 +104,12 @@ class TaskCounts:
     elements: int = 0
     # Other task → changed elements both change (|m_self ∧ m_other|).
     intersections: dict[Hashable, int] = field(default_factory=dict)
+
+    def add(self, other: TaskCounts) -> None:
+        add_histogram(self.histogram, other.histogram)
+        self.elements += other.elements
+        for task, value in other.intersections.items():
+            self.intersections[task] = self.intersections.get(task, 0) + value
 
     @property
     def changed(self) -> int:
@@ -151,17 +143,11 @@ class LocalScales:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(
-        self,
-        name: str,
-        task: Hashable,
-        elements: int,
-        histogram: list[int],
-        scale: float,
+        self, name: str, task: Hashable, elements: int, histogram: list, scale: float
     ) -> None:
         with self._lock:
-            total = self.tasks.setdefault(task, TaskCounts())
-            add_histogram(total.histogram, histogram)
-            total.elements += elements
+            counts = TaskCounts(histogram, elements)
+            self.tasks.setdefault(task, TaskCounts()).add(counts)
             low, high = self.scales.get(task, (scale, scale))
             self.scales[task] = (min(low, scale), max(high, scale))
             self.names.add(name)
@@ -181,45 +167,30 @@ class OverlapStatistics:
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
 
-    def add(
-        self,
-        name: str,
-        base: torch.Tensor,
-        tasks: Mapping[Hashable, torch.Tensor],
-    ) -> bool:
+    def add(self, name: str, base: Tensor, tasks: Group) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
         whether every task vector was finite (`core.kernel.overlaps`)."""
         if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
         ids, summing = list(tasks), self.inner_products
-        rows, pairs, finite, sums = overlaps(
-            base,
-            [tasks[i] for i in ids],
-            self.epsilon,
-            PRODUCT_CHUNK if summing else COUNT_CHUNK,
-            (lambda b, c: inner_products(b, c, self.epsilon)) if summing else None,
-        )
-        if summing:
-            self.products[name] = Products.zeros(ids)
-            for part in sums:
-                self.products[name].add(part)
+        each = partial(inner_products, epsilon=self.epsilon) if summing else None
+        chunk = PRODUCT_CHUNK if summing else COUNT_CHUNK
+        counted = overlaps(base, list(tasks.values()), self.epsilon, chunk, each)
+        rows, pairs, finite, sums = counted
+        if summing:  # float64 sums in chunk order, as Python's would be
+            n = len(ids)
+            found = sum(sums, torch.zeros((2 * n + 1, n), dtype=torch.float64)).tolist()
+            self.products[name] = Products(ids, found[:n], found[n : 2 * n], found[-1])
         local = {}
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
             local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
-            self._add_to_total(task_id, local[task_id])
         self.per_tensor[name] = local
+        for task_id, counts in local.items():
+            self.tasks.setdefault(task_id, TaskCounts()).add(counts)
         self.num_tensors += 1
         self.num_elements += base.numel()
         return finite
-
-    def _add_to_total(self, task_id: Hashable, counts: TaskCounts) -> None:
-        """Add one tensor's counts of a task to its totals (add and in_order)."""
-        total = self.tasks.setdefault(task_id, TaskCounts())
-        add_histogram(total.histogram, counts.histogram)
-        total.elements += counts.elements
-        for other, value in counts.intersections.items():
-            total.intersections[other] = total.intersections.get(other, 0) + value
 
     def in_order(self, names: Iterable[str]) -> None:
         """Reorder as if the tensors had been added in `names`' order.
@@ -239,12 +210,10 @@ class OverlapStatistics:
         self.tasks = {}
         for local in self.per_tensor.values():
             for task_id, counts in local.items():
-                self._add_to_total(task_id, counts)
+                self.tasks.setdefault(task_id, TaskCounts()).add(counts)
 
     def scales(
-        self,
-        rule: ScaleRule,
-        explicit: Mapping[Hashable, float | None] | None = None,
+        self, rule: ScaleRule, explicit: Mapping[Hashable, float | None] | None = None
     ) -> dict[Hashable, float]:
         """Global λ per task from the whole-model totals.
 
@@ -259,7 +228,7 @@ class OverlapStatistics:
 
 
 def group_tensors(
-    tensors: Mapping[Hashable, torch.Tensor],
+    tensors: Group,
     base_id: Hashable,
     order: Iterable[Hashable],
     device: torch.device | None,
@@ -277,6 +246,6 @@ def group_tensors(
     if base is None or from_base(base.dtype):
         return None
     check_layout(name, tensors, base_id, vocabulary_axis)
-    move = (lambda t: t.to(device)) if device is not None else (lambda t: t)
-    tasks = {m: move(tensors[m]) for m in order if m != base_id and m in tensors}
-    return move(base), tasks
+    # .to(None) is the tensor itself.
+    tasks = {m: tensors[m].to(device) for m in order if m != base_id and m in tensors}
+    return base.to(device), tasks

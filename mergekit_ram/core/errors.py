@@ -22,8 +22,6 @@ class RAMInputError(ValueError):
     no traceback): mergekit_ram.integration.errors.
     """
 
-    exit_code = 2  # what the command-line tools exit with on it
-
     def __init__(self, message: str) -> None:
         self.message = paragraphs(message)
         super().__init__(self.message)

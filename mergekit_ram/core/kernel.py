@@ -2,7 +2,7 @@
 
 Everything is computed in float32 whatever the stored dtype, helper tensors live
 on the inputs' device and inputs are never written. The merge and the count
-walk a tensor a chunk at a time through `ChunkReader` (so both apply the same
+walk a tensor a chunk at a time through `chunked_walk` (so both apply the same
 τ and change mask), on the threads of `core.parallel`: nothing tensor-sized is
 allocated besides the output, however many task models there are.
 """
@@ -14,22 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.parallel import workers
 
-# Called with (task index, that task's k-way histogram in this tensor) when a
-# task has no explicit scale; returns the scale for its unique elements.
-ScaleFn = Callable[[int, torch.Tensor], float]
-# Called once per task whose scale λ ≠ 1 with (task index, its unique elements
-# in this tensor, how many of them λ still changes once rounded to the output
-# dtype).
-RescaleFn = Callable[[int, int, int], None]
 T = TypeVar("T")
 
 
-def task_vector(
-    task: torch.Tensor, base32: torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def task_vector(task: Tensor, base32: Tensor, out: Tensor | None = None) -> Tensor:
     """τ = θ_t − θ₀ in float32, into `out` (else a new tensor); the inputs
     are untouched.
 
@@ -41,15 +33,13 @@ def task_vector(
     return out.copy_(task).sub_(base32)
 
 
-def change_mask(tau: torch.Tensor, epsilon: float) -> torch.Tensor:
+def change_mask(tau: Tensor, epsilon: float) -> Tensor:
     """m = |τ| > ε, strict and absolute (a NaN τ is unchanged)."""
     return tau.abs() > epsilon
 
 
 @torch.no_grad()
-def overlap_counts(
-    base32: torch.Tensor, tasks: Sequence[torch.Tensor], epsilon: float
-) -> torch.Tensor:
+def overlap_counts(base32: Tensor, tasks: Sequence[Tensor], epsilon: float) -> Tensor:
     """c_i: how many task models change element i (int32, whole tensor)."""
     counts = torch.zeros(base32.shape, dtype=torch.int32, device=base32.device)
     for task in tasks:
@@ -66,97 +56,87 @@ MERGE_CHUNK = 1 << 17
 DEVICE_CHUNK = 1 << 24
 
 
-class ChunkReader:
-    """One worker's float32 rows for walking a tensor group a chunk at a time.
+# One worker's reader of a tensor group: read(start, stop, counted=True) gives
+# θ₀, τ (a row per task), m (1.0 / 0.0) and (`counted`) c of elements
+# [start, stop), all float32, overwriting the last chunk read.
+Reader = Callable[..., tuple[Tensor, ...]]
+
+
+def chunked_walk(
+    base: Tensor,
+    tasks: Sequence[Tensor],
+    epsilon: float,
+    chunk: int,
+    work: Callable[[Reader, Tensor, Tensor, list[tuple[int, int]]], T],
+    *,
+    extra: tuple[int, int] = (0, 0),
+    exact: bool = False,
+) -> list[T]:
+    """`work(read, taus, masks, steps)` on contiguous runs of the (start, stop)
+    steps over the tensor group, one run per worker thread of the current pool
+    (`core.parallel`), each with float32 rows of its own, which `taus` and
+    `masks` (the rows `read` writes τ and m into) expose with `extra` more
+    rows below the tasks' for `work`; results in run order. A step is `chunk`
+    elements on CPU, at least DEVICE_CHUNK elsewhere unless `exact` (float
+    sums that depend on where the chunks end).
 
     Masks are float32 (`change_mask`'s rule): counted, multiplied into τ and
     multiplied together by arithmetic, which on CPU costs a fraction of the
     same work on bool.
-    `taus` and `masks` hold `extra` more rows below the tasks' for the caller.
     """
-
-    def __init__(
-        self,
-        flat_base: torch.Tensor,
-        flat_tasks: Sequence[torch.Tensor],
-        epsilon: float,
-        width: int,
-        extra: tuple[int, int] = (0, 0),
-    ) -> None:
-        n, like = len(flat_tasks), dict(dtype=torch.float32, device=flat_base.device)
-        self.base, self.tasks, self.epsilon = flat_base, flat_tasks, epsilon
-        self.base32, self.counts = torch.empty((2, width), **like)
-        self.taus = torch.empty((n + extra[0], width), **like)
-        self.masks = torch.empty((n + extra[1], width), **like)
-
-    def read(
-        self,
-        start: int,
-        stop: int,
-        summed: torch.Tensor | None = None,
-        counted: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """θ₀, τ (a row per task), m (1.0 / 0.0) and (`counted`) c, all
-        float32, of elements [start, stop), overwriting the last chunk read;
-        `summed`: a float32 scalar to add Σ τ to."""
-        width, n = stop - start, len(self.tasks)
-        base32 = self.base32[:width].copy_(self.base[start:stop])
-        tau, mask = self.taus[:n, :width], self.masks[:n, :width]
-        for row, task in zip(tau, self.tasks):
-            task_vector(task[start:stop], base32, out=row)
-        if summed is not None:
-            summed += tau.sum()
-        # m = |τ| > ε as 1.0 / 0.0, |τ| held in the mask's rows on the way:
-        # on CPU a comparison written to float32 costs a fraction of one
-        # written to bool.
-        torch.gt(torch.abs(tau, out=mask), self.epsilon, out=mask)
-        counts = self.counts[:width]
-        if counted:
-            torch.sum(mask, 0, out=counts)  # exact: sums of 0 / 1
-        return base32, tau, mask, counts
-
-
-def chunked_walk(
-    flat_base: torch.Tensor,
-    chunk: int,
-    work: Callable[[list[tuple[int, int]]], T],
-    *,
-    exact: bool = False,
-) -> list[T]:
-    """`work` on contiguous runs of the (start, stop) steps over flat_base, one
-    run per worker thread of the current pool (`core.parallel`); results in
-    run order. Every worker makes its own buffers in `work`. A step is
-    `chunk` elements on CPU, at least DEVICE_CHUNK elsewhere unless `exact`
-    (float sums that depend on where the chunks end)."""
-    total, device = flat_base.numel(), flat_base.device
+    flat_base, flat_tasks = base.reshape(-1), [task.reshape(-1) for task in tasks]
+    total, device, n = flat_base.numel(), flat_base.device, len(tasks)
     size = chunk if device.type == "cpu" or exact else max(chunk, DEVICE_CHUNK)
 
-    def steps(run: torch.Tensor) -> T:
-        return work([(s, min(s + size, total)) for s in run.tolist()])
+    def run(starts: Tensor) -> T:
+        steps = [(s, min(s + size, total)) for s in starts.tolist()]
+        width = max((stop - start for start, stop in steps), default=0)
+        like: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        base32, counts = torch.empty((2, width), **like)
+        taus = torch.empty((n + extra[0], width), **like)
+        masks = torch.empty((n + extra[1], width), **like)
+
+        def read(start: int, stop: int, counted: bool = True) -> tuple:
+            width = stop - start
+            chunk_base = base32[:width].copy_(flat_base[start:stop])
+            tau, mask = taus[:n, :width], masks[:n, :width]
+            for row, task in zip(tau, flat_tasks):
+                task_vector(task[start:stop], chunk_base, out=row)
+            # m = |τ| > ε as 1.0 / 0.0, |τ| held in the mask's rows on the
+            # way: on CPU a comparison written to float32 costs a fraction of
+            # one written to bool.
+            torch.gt(torch.abs(tau, out=mask), epsilon, out=mask)
+            if counted:
+                torch.sum(mask, 0, out=counts[:width])  # exact: sums of 0 / 1
+            return chunk_base, tau, mask, counts[:width]
+
+        return work(read, taus, masks, steps)
 
     with workers() as pool:  # the merge's, or one for this call
-        return pool.map(steps, torch.arange(0, total, size), device)
+        return pool.split(run, torch.arange(0, total, size), device)
 
 
 # The signed integer type of each float width: comparing written values by
 # their bits costs one integer subtraction.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# −0.0's bits as int32: the smallest int32.
+_ZERO = torch.iinfo(torch.int32).min
 
 
 # No autograd: weights that require grad (module inputs) merge as plain data,
 # and the in-place steps with out= would otherwise be refused.
 @torch.no_grad()
 def ram_merge_tensor(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     *,
     epsilon: float,
     scales: Sequence[float | None],
-    scale_fn: ScaleFn | None = None,
+    scale_fn: Callable[[int, Tensor], float] | None = None,
     out_dtype: torch.dtype | None = None,
-    on_rescaled: RescaleFn | None = None,
+    on_rescaled: Callable[[int, int, int], None] | None = None,
     on_nonfinite: Callable[[], None] | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Merge one tensor by the RAM rule; returns out_dtype (default: base's).
 
     The float32 result is rounded once, to the dtype that will be written.
@@ -165,41 +145,38 @@ def ram_merge_tensor(
     θ₀ + Σ_active τ_t / c (the mean of the active task vectors, summed in task
     order as stock mergekit does, so λ = 1 reproduces it bit for bit). A task
     whose scale is None gets `scale_fn(index, histogram)` from this tensor's
-    own counts (the tensor-local statistics scope; one more read of the
-    inputs). `on_rescaled` hears, for each task with λ ≠ 1, how many unique
-    elements it rescaled and how many of those still differ from RAM's value
-    once written. Callers refuse or replace non-finite inputs (the
-    `nonfinite` rule): first, or, refusing, after the walk, which calls
-    `on_nonfinite` when some chunk's sum of τ was not finite (every τ is
-    finite otherwise; an overflowing sum only says "look closer"), so the
-    inputs need no read of their own. A τ that is NaN (a non-finite base,
-    which `nonfinite: ignore` hands on with every task's value there replaced
-    by it) counts as unchanged, as in the count, so such an element keeps
-    the base's value.
+    own counts (its k-way histogram: the tensor-local statistics scope; one
+    more read of the inputs). `on_rescaled(index, rescaled, survived)` hears,
+    for each task with λ ≠ 1, how many unique elements it rescaled and how
+    many of those still differ from RAM's value once written. Callers refuse
+    or replace non-finite inputs (the `nonfinite` rule): first, or,
+    refusing, after the walk, which calls `on_nonfinite` when some chunk's
+    sum of τ was not finite (every τ is finite otherwise; an overflowing sum
+    only says "look closer"), so the inputs need no read of their own. A τ
+    that is NaN (a non-finite base, which `nonfinite: ignore` hands on with
+    every task's value there replaced by it) counts as unchanged, as in the
+    count, so such an element keeps the base's value.
     """
     if len(scales) != len(tasks):
         raise ValueError(f"{len(tasks)} task tensors but {len(scales)} scales")
     written = out_dtype or base.dtype
     if not tasks:
         return base.to(dtype=written, copy=True)
-    missing = [index for index, scale in enumerate(scales) if scale is None]
-    if missing and scale_fn is None:
-        raise ValueError(f"no scale for task {missing[0]} and no scale_fn")
-    if missing:  # this tensor's histograms, counted before any element is merged
+    if None in scales:  # this tensor's histograms, counted before any merging
         rows = overlaps(base, tasks, epsilon, MERGE_CHUNK)[0]
         scales = [
             scale_fn(index, torch.tensor(rows[index])) if scale is None else scale
             for index, scale in enumerate(scales)
         ]
-    scales = [float(scale) for scale in scales]
     # λ as float32 holds it (the plan refuses one beyond float32's range).
     factors = torch.tensor(scales, dtype=torch.float32).tolist()
     rescales = any(scale != 1.0 for scale in scales)
     tally = on_rescaled is not None and rescales
-    flat_base, flat_tasks = base.reshape(-1), [task.reshape(-1) for task in tasks]
-    out = torch.empty(flat_base.shape, dtype=written, device=base.device)
+    out = torch.empty(base.numel(), dtype=written, device=base.device)
 
-    def merge(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, bool]:
+    def merge(
+        read: Reader, taus: Tensor, _: Tensor, steps: list[tuple[int, int]]
+    ) -> tuple[Tensor, bool]:
         """In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c
         on the changed elements, as stock mergekit sums; a zero of either
         sign where c = 0). RAM+ multiplies δ by Λ = λ_t on task t's unique
@@ -207,8 +184,7 @@ def ram_merge_tensor(
         and θ₀ + δ is rounded into the output. With `tally` it also rounds
         θ₀ + δ before Λ (RAM's value) and counts, per task, its unique
         elements and those whose written bits differ."""
-        width = max((stop - start for start, stop in steps), default=0)
-        reader = ChunkReader(flat_base, flat_tasks, epsilon, width)
+        width = taus.shape[1]
         like: dict[str, Any] = dict(dtype=torch.float32, device=base.device)
         delta, scratch, lam = (torch.empty(width, **like) for _ in range(3))
         # Row 0: 1.0 on unique elements (c = 1); row 1: 1.0 where RAM+ and
@@ -219,7 +195,7 @@ def ram_merge_tensor(
         doubtful = False  # some chunk's Σ τ was not finite
         for start, stop in steps:
             width = stop - start
-            base32, tau, mask, counts = reader.read(start, stop)
+            base32, tau, mask, counts = read(start, stop)
             tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
             summed = _sum(tau, delta[:width])
             finite = summed.is_meta or bool(torch.isfinite(summed.sum()))
@@ -230,7 +206,8 @@ def ram_merge_tensor(
                 # unchanged, as mergekit's where() has it; ±∞ stays.
                 doubtful = True
                 torch.nan_to_num_(tau, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            signed = _has_negative_zero(base32)
+            # θ₀ holds −0.0 (meta tensors hold no data).
+            signed = not base32.is_meta and int(base32.view(torch.int32).min()) == _ZERO
             if signed:
                 # Only θ₀ = −0.0 tells the sign of a zero δ apart (x + ±0 = x
                 # otherwise): there a task leaving an element unchanged adds
@@ -258,10 +235,10 @@ def ram_merge_tensor(
                 found += torch.mm(mask, rows[:, :width].T)
         return found, doubtful
 
-    walked = chunked_walk(flat_base, MERGE_CHUNK, merge)
+    walked = chunked_walk(base, tasks, epsilon, MERGE_CHUNK, merge)
     if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
         on_nonfinite()
-    if on_rescaled is not None and tally:
+    if tally:
         totals = sum(found for found, _ in walked).tolist()
         for index, scale in enumerate(scales):
             if scale != 1.0:
@@ -269,7 +246,7 @@ def ram_merge_tensor(
     return out.view(base.shape)
 
 
-def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _sum(tau: Tensor, out: Tensor) -> Tensor:
     """Σ_t of the rows of `tau`, in task order, into `out`."""
     out.copy_(tau[0])
     for row in tau[1:]:
@@ -277,29 +254,17 @@ def _sum(tau: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _has_negative_zero(values: torch.Tensor) -> bool:
-    """Whether float32 `values` hold −0.0: its bits are int32's minimum
-    (tensors without data, on the meta device, hold none)."""
-    bits = values.view(torch.int32)
-    if bits.numel() == 0 or bits.is_meta:
-        return False
-    return int(bits.min()) == torch.iinfo(torch.int32).min
-
-
-# Called per chunk of a count walk with a (2N+1, width) float32 block holding
-# the chunk's τ in its first N rows (the rest is the callee's) and c.
-ChunkFn = Callable[[torch.Tensor, torch.Tensor], T]
 # Up to this many tasks, one code per element holds which tasks change it.
 JOINT_LIMIT = 8
 
 
 @torch.no_grad()
 def overlaps(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     epsilon: float,
     chunk: int,
-    each: ChunkFn | None = None,
+    each: Callable[[Tensor, Tensor], T] | None = None,
 ) -> tuple[list[list[int]], list[list[int]], bool, list]:
     """(histograms, intersections, finite, each's results) of one tensor
     group, from one walk over it `chunk` elements a step.
@@ -313,29 +278,29 @@ def overlaps(
     which (with a task) holds exactly when base and tasks are, save where
     θ_t − θ₀ overflows float32; it rides on one sum per chunk (NaN and ±∞
     carry into it, an overflowing sum only says "look closer":
-    checks.finite_inputs). `each` (inner products) runs on every chunk; its
+    checks.finite_inputs). `each` (inner products) runs on every chunk, with
+    a (2N+1, width) float32 block holding the chunk's τ in its first N rows
+    (the rest is its own) and c; its
     results come back in chunk order, the chunks ending where they would on
     one thread, so float sums over them do not depend on the workers.
     """
     n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
-    flat_base = base.reshape(-1)
-    flat_tasks = [task.reshape(-1) for task in tasks]
 
-    def count(steps: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, list]:
-        width = max((stop - start for start, stop in steps), default=0)
-        extra = (n + 1 if each else 0, 1 if joint else n)
-        reader = ChunkReader(flat_base, flat_tasks, epsilon, width, extra)
+    def count(
+        read: Reader, taus: Tensor, masks: Tensor, steps: list
+    ) -> tuple[Tensor, Tensor, list]:
         shape = (1 << n,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
         summed = torch.zeros((), dtype=torch.float32, device=base.device)
         results = []
         for start, stop in steps:
             counted = each is not None or not joint
-            _, _, masks, counts = reader.read(start, stop, summed, counted)
-            rows = reader.masks[:, : stop - start]
+            _, tau, changed, counts = read(start, stop, counted)
+            summed += tau.sum()
+            rows = masks[:, : stop - start]
             if joint:
                 codes = rows[n].zero_()
-                for t, mask in enumerate(masks):
+                for t, mask in enumerate(changed):
                     codes.add_(mask, alpha=1 << t)
                 # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
                 codes = codes.to(torch.int32).to(torch.uint8)
@@ -343,12 +308,15 @@ def overlaps(
             else:
                 for k, row in enumerate(rows[n:], 1):
                     torch.eq(counts, k, out=row)
-                found += torch.mm(masks, rows.T).to(torch.int64)
+                found += torch.mm(changed, rows.T).to(torch.int64)
             if each is not None:
-                results.append(each(reader.taus[:, : stop - start], counts))
+                results.append(each(taus[:, : stop - start], counts))
         return found, summed, results
 
-    walked = chunked_walk(flat_base, chunk, count, exact=each is not None)
+    extra = (n + 1 if each else 0, 1 if joint else n)
+    walked = chunked_walk(
+        base, tasks, epsilon, chunk, count, extra=extra, exact=each is not None
+    )
     found = sum(part for part, _, _ in walked).tolist()
     finite = all(bool(torch.isfinite(summed)) for _, summed, _ in walked)
     results = [result for _, _, part in walked for result in part]

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from mergekit_ram.core.kernel import (
     change_mask,
@@ -44,27 +45,22 @@ from mergekit_ram.core.kernel import (
 )
 
 # (float32 base, mask of the shared elements) -> their values, flat.
-SharedRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SharedRule = Callable[[Tensor, Tensor], Tensor]
 
 
 def ram_then_shared(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     rule: SharedRule,
     *,
     epsilon: float,
-    out_dtype: torch.dtype | None = None,
     **kernel: Any,
-) -> torch.Tensor:
+) -> Tensor:
     """RAM's merge with the shared elements (c ≥ 2) replaced by `rule`;
     returns out_dtype (default: base's). Each element is rounded once: RAM's
     float32 value or the rule's. `kernel` holds ram_merge_tensor's scales,
-    scale_fn and on_rescaled."""
-    merged = ram_merge_tensor(
-        base, tasks, epsilon=epsilon, out_dtype=out_dtype, **kernel
-    )
-    if not tasks:
-        return merged
+    scale_fn, out_dtype and on_rescaled."""
+    merged = ram_merge_tensor(base, tasks, epsilon=epsilon, **kernel)
     base32 = base.to(dtype=torch.float32)
     shared = overlap_counts(base32, tasks, epsilon) >= 2
     if bool(shared.any()):
@@ -73,8 +69,8 @@ def ram_then_shared(
 
 
 def unique_merge_tensor(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], **options: Any
-) -> torch.Tensor:
+    base: Tensor, tasks: Sequence[Tensor], **options: Any
+) -> Tensor:
     """RAM with the base's value on shared elements (options as
     ram_then_shared's)."""
     return ram_then_shared(
@@ -82,15 +78,7 @@ def unique_merge_tensor(
     )
 
 
-def _region_values(
-    task: torch.Tensor, base32: torch.Tensor, shared: torch.Tensor, epsilon: float
-) -> torch.Tensor:
-    """τ·m of one task on the shared elements, flattened (0 where unchanged)."""
-    tau = task_vector(task, base32)[shared]
-    return torch.where(change_mask(tau, epsilon), tau, 0.0)
-
-
-def _trimmed(values: torch.Tensor, k: int) -> torch.Tensor:
+def _trimmed(values: Tensor, k: int) -> Tensor:
     """values where |value| ≥ its k-th smallest magnitude, else 0 (k < 1: all)."""
     if k < 1:
         return values
@@ -99,44 +87,37 @@ def _trimmed(values: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(magnitude >= threshold, values, 0.0)
 
 
-def ties_shared_delta(
-    base32: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
-    shared: torch.Tensor,
-    *,
-    epsilon: float,
-    density: float,
-) -> torch.Tensor:
-    """The TIES delta on the shared elements (flat, in `shared`'s order)."""
-    n = int(shared.sum())
-    k = int((1.0 - density) * n)
-    positive, negative, total, kept_count = torch.zeros((4, n), device=base32.device)
-    for task in tasks:
-        kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
-        positive += kept.clamp(min=0)
-        negative += (-kept).clamp(min=0)
-    for task in tasks:
-        kept = _trimmed(_region_values(task, base32, shared, epsilon), k)
-        agree = (kept > 0) & (positive > negative) | (kept < 0) & (negative > positive)
-        total += torch.where(agree, kept, 0.0)
-        kept_count += agree
-    return total / kept_count.clamp(min=1)
-
-
 def ties_merge_tensor(
-    base: torch.Tensor,
-    tasks: Sequence[torch.Tensor],
+    base: Tensor,
+    tasks: Sequence[Tensor],
     *,
     epsilon: float,
     density: float,
     **options: Any,
-) -> torch.Tensor:
+) -> Tensor:
     """RAM with shared-region TIES on the shared elements (other options as
     ram_then_shared's); the float32 result rounded once."""
 
-    def rule(base32: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        return base32[shared] + ties_shared_delta(
-            base32, tasks, shared, epsilon=epsilon, density=density
-        )
+    def rule(base32: Tensor, shared: Tensor) -> Tensor:
+        n = int(shared.sum())
+        k = int((1.0 - density) * n)
+
+        def kept(task: Tensor) -> Tensor:
+            """τ·m of one task on the shared elements, flat, trimmed."""
+            tau = task_vector(task, base32)[shared]
+            return _trimmed(torch.where(change_mask(tau, epsilon), tau, 0.0), k)
+
+        positive, negative, total, count = torch.zeros((4, n), device=base32.device)
+        for task in tasks:
+            values = kept(task)
+            positive += values.clamp(min=0)
+            negative += (-values).clamp(min=0)
+        for task in tasks:
+            values = kept(task)
+            agree = (values > 0) & (positive > negative)
+            agree |= (values < 0) & (negative > positive)
+            total += torch.where(agree, values, 0.0)
+            count += agree
+        return base32[shared] + total / count.clamp(min=1)
 
     return ram_then_shared(base, tasks, rule, epsilon=epsilon, **options)

@@ -12,7 +12,7 @@ once written (the kernel's `on_rescaled`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -82,13 +82,18 @@ class MergeSettings:
                 seen[key].setdefault(params[key], tensor)
         if not seen["r"]:
             raise ValueError("the merge has no tensors")
-        key = varying_key(seen)
-        if key is not None:
-            (a, first), (b, second) = list(seen[key].items())[:2]
-            raise one_value_error(
-                key, f"is {a!r} for tensor {first} but {b!r} for {second}"
-            )
-        return cls(**{key: next(iter(seen[key])) for key in SCALAR_KEYS})
+        # r = 0 everywhere (RAM) or statistics: tensor: every tensor stands alone.
+        if "global" in seen["statistics"] and any(r > 0 for r in seen["r"]):
+            for key, values in seen.items():
+                if len(values) > 1:
+                    (a, first), (b, second) = list(values.items())[:2]
+                    raise RAMInputError(
+                        f"RAM parameter '{key}' is {a!r} for tensor {first} but "
+                        f"{b!r} for {second}. Whole-model (global) statistics need "
+                        "one value for the whole merge: remove the per-tensor "
+                        f"filter or gradient on '{key}', or set statistics: tensor."
+                    )
+        return cls(**{key: next(iter(values)) for key, values in seen.items()})
 
     @property
     def rule(self) -> ScaleRule:
@@ -106,18 +111,6 @@ class MergeSettings:
         return {key: getattr(self, key) for key in SCALAR_KEYS}
 
 
-def one_value_error(key: str, values: str) -> RAMInputError:
-    """A global-statistics setting that varies per tensor (config or plan time).
-
-    `values` says how it varies, e.g. "is 0.1 for tensor A but 0.2 for B".
-    """
-    return RAMInputError(
-        f"RAM parameter '{key}' {values}. Whole-model (global) statistics need "
-        "one value for the whole merge: remove the per-tensor filter or gradient "
-        f"on '{key}', or set statistics: tensor."
-    )
-
-
 def unique_scale_error(model: Any, values: str) -> RAMInputError:
     """A task model's explicit λ that varies per tensor (config or plan time)."""
     return RAMInputError(
@@ -125,20 +118,6 @@ def unique_scale_error(model: Any, values: str) -> RAMInputError:
         "replaces the whole-model λ, so it needs one value per model: remove its "
         "filter or gradient."
     )
-
-
-def varying_key(values: Mapping[str, Collection[Any]]) -> str | None:
-    """The rule "global statistics need one value for the whole merge".
-
-    `values` maps each of SCALAR_KEYS to the distinct values it takes across
-    the merge; returns the first key that takes several where some tensor
-    needs whole-model statistics (statistics: global with r > 0), else None.
-    """
-    if "global" in values["statistics"] and any(r > 0 for r in values["r"]):
-        for key in SCALAR_KEYS:
-            if len(values[key]) > 1:
-                return key
-    return None
 
 
 # Below this fraction of rescaled elements changed, a merge says its λ is lost.
@@ -159,9 +138,8 @@ class SurvivalTally:
 
     def add(self, task: Hashable, rescaled: int, survived: int, dtype: str) -> None:
         with self._lock:
-            entry = self.counts.setdefault(task, [0, 0])
-            entry[0] += rescaled
-            entry[1] += survived
+            before, kept = self.counts.get(task, (0, 0))
+            self.counts[task] = [before + rescaled, kept + survived]
             self.dtypes.add(dtype)
 
     def lost(self) -> bool:
