@@ -25,6 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import staged_merge
 
 TIMEOUT = 300
@@ -160,6 +161,47 @@ def default_signals() -> None:
     the child ignores the signal and the test waits for its timeout."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+def raise_on(monkeypatch, owner, name: str, error: BaseException, when) -> None:
+    """owner.name raises `error` on its `when`th call (an int), or on each
+    call where when(*args) holds."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == when if isinstance(when, int) else when(*args):
+            raise error
+        return real(*args, **kwargs)
+
+    failing.__mergekit_ram__ = real  # our card patch is in place: kept, not redone
+    monkeypatch.setattr(owner, name, failing)
+
+
+WRITING = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("output_folder", sys.argv[1])
+folder = sys.modules["output_folder"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(folder)
+def write(staged):
+    print("WRITING", flush=True)
+    time.sleep(600)
+folder.staged_merge(sys.argv[2], write)
+"""
+
+
+def writing(out: Path, started=default_signals) -> subprocess.Popen:
+    """A child process holding OUT as a merge in progress does (the protocol
+    alone, loaded by path: it starts in a blink)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITING, output_folder.__file__, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=started,
+    )
+    assert proc.stdout.readline().strip() == "WRITING", proc.stderr.read()
+    return proc
 
 
 def check_exit(how: str, code: int, state: str, output: str) -> None:

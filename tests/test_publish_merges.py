@@ -25,7 +25,9 @@ from faults import (
     check_exit,
     default_signals,
     ours_left,
+    raise_on,
     run_interrupted,
+    writing,
 )
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
@@ -96,20 +98,6 @@ def with_model(config: dict, family, task: str, path: str) -> dict:
     return config
 
 
-def _raise_on_call(monkeypatch, module, name, error, nth) -> None:
-    """Make module.name raise `error` from its nth call on (or where nth(args))."""
-    real, calls = getattr(module, name), [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth if isinstance(nth, int) else nth(*args):
-            raise error
-        return real(*args, **kwargs)
-
-    failing.__mergekit_ram__ = real  # our card patch is in place: kept, not redone
-    monkeypatch.setattr(module, name, failing)
-
-
 FAILURES = {  # mid-merge; after config.json was staged; writing the manifest
     "kernel error": (methods, "ram_merge_tensor", RuntimeError("boom"), 12),
     "Ctrl-C": (methods, "ram_merge_tensor", KeyboardInterrupt(), 12),
@@ -132,7 +120,7 @@ def test_a_failed_rerun_leaves_the_previous_merge_byte_for_byte(
     (out / "notes.txt").write_text("mine")
     before = hashes(out)
     module, name, error, nth = FAILURES[failure]
-    _raise_on_call(monkeypatch, module, name, error, nth)
+    raise_on(monkeypatch, module, name, error, nth)
     if isinstance(error, OSError):  # the environment: one error, where OUT stands
         said = re.escape(f"{error.strerror}; {out} is as it was")
         with pytest.raises(RAMInputError, match=said):
@@ -251,24 +239,8 @@ def test_a_second_merge_into_out_fails_at_once(family, tmp_path):
     config = tmp_path / "ram.yml"
     config.write_text(family.yaml("ram"))
     out = tmp_path / "out"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from mergekit_ram.integration.output_folder import staged_merge\n"
-            "def write(staged):\n"
-            "    print('WRITING', flush=True); time.sleep(600)\n"
-            "staged_merge(sys.argv[1], write)\n",
-            str(out),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_signals,
-    )
+    holder = writing(out)
     try:
-        assert holder.stdout.readline().strip() == "WRITING", holder.stderr.read()
         said = cli("merge", str(config), str(out), code=2)
         assert "Another merge is writing into" in said and holder.poll() is None
     finally:
