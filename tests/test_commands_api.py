@@ -294,8 +294,25 @@ def test_module_inputs(parameters, ref_kwargs, grad):
 # --- other API behaviour -------------------------------------------------------------
 
 
-def test_non_strict_counts_common_tensors_only(model_set):
+def test_epsilon_non_strict_and_other_methods(model_set):
+    """epsilon is the statistics' threshold; strict=False counts the common
+    tensors only; another method is mergekit's own."""
     base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", parameters={"epsilon": 5e-3}, base=base_id
+    )
+    expected, lam = reference.merge(base, tasks, r=0.1, epsilon=5e-3)
+    _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
+    assert lam != default_lam
+    assert all(torch.equal(out[k], expected[k]) for k in base)
+    ours = mergekit_ram.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    theirs = merge_methods.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    assert all(torch.equal(ours[k], theirs[k]) for k in base)
     extra = sparse_tasks((30, 30), [0.9], seed=3)[1][0]
     tasks = [dict(t) for t in tasks]
     tasks[0]["only.in.one"] = extra
@@ -308,9 +325,13 @@ def test_non_strict_counts_common_tensors_only(model_set):
         assert torch.equal(out[name], expected[name]), name
 
 
-def test_per_group_values_must_agree_for_global_statistics(model_set):
+def test_per_group_values_must_agree_for_global_statistics_and_base_required(
+    model_set,
+):
     base, tasks = model_set
     models, base_id, _ = ordered(base, tasks)
+    with pytest.raises(ValueError, match="base"):
+        mergekit_ram.merge_state_dicts(models, "ramplus")
     n = len(base)
     with pytest.raises(ValueError, match="'r' is 0.1 for tensor .* but 0.2 for"):
         mergekit_ram.merge_state_dicts(
@@ -327,13 +348,6 @@ def test_per_group_values_must_agree_for_global_statistics(model_set):
     )
     expected, _ = reference.merge(base, tasks, r=0.3)
     assert all(torch.equal(out[k], expected[k]) for k in base)
-
-
-def test_base_required(model_set):
-    base, tasks = model_set
-    models, _, _ = ordered(base, tasks)
-    with pytest.raises(ValueError, match="base"):
-        mergekit_ram.merge_state_dicts(models, "ramplus")
 
 
 @pytest.mark.parametrize("parameters", [None, {"r": 0.3, "alpha": 1.0}])
@@ -364,30 +378,6 @@ def test_mergekits_own_merge_tensors_is_ramplus_of_that_tensor():
     assert torch.equal(theirs, ours)
     # alpha: S/U = 1 → λ = 1.1; beta: S/U = 1/2 → λ = 1.05
     assert torch.allclose(theirs, torch.tensor([1.0, 1.1, 1.05, 1.05, 0, 0]))
-
-
-def test_other_methods_pass_through(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    ours = mergekit_ram.merge_state_dicts(
-        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
-    )
-    theirs = merge_methods.merge_state_dicts(
-        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
-    )
-    assert all(torch.equal(ours[k], theirs[k]) for k in base)
-
-
-def test_epsilon_parameter_used_for_statistics(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    out = mergekit_ram.merge_state_dicts(
-        models, "ramplus", parameters={"epsilon": 5e-3}, base=base_id
-    )
-    expected, lam = reference.merge(base, tasks, r=0.1, epsilon=5e-3)
-    _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
-    assert lam != default_lam
-    assert all(torch.equal(out[k], expected[k]) for k in base)
 
 
 @pytest.mark.parametrize("base_at", [0, 1])
@@ -433,20 +423,9 @@ def test_recipe_yaml_writes_any_model_path_back_as_it_parses(path):
         assert text == config.to_yaml()  # mergekit's own text where it can write it
 
 
-def test_run_merge_takes_a_bytes_path(family_f32, tmp_path):
-    from mergekit.config import MergeConfiguration
-    from mergekit.options import MergeOptions
-
-    config = MergeConfiguration.model_validate(family_f32.config_dict("ram"))
-    mergekit_ram.run_merge(
-        config, os.fsencode(tmp_path / "out"), MergeOptions(quiet=True)
-    )
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
 def test_mergekit_multi_merges_global_ramplus(family_f32, tmp_path):
     """mergekit-multi runs each stage through mergekit's run_merge: a ramplus
-    stage gets whole-model λ, the same as ours."""
+    stage gets whole-model λ, the same as ours (which takes a bytes path)."""
     from click.testing import CliRunner
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
@@ -463,7 +442,9 @@ def test_mergekit_multi_merges_global_ramplus(family_f32, tmp_path):
     assert result.exit_code == 0, result.output
     ours = tmp_path / "ours"
     mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(document), str(ours), MergeOptions(quiet=True)
+        MergeConfiguration.model_validate(document),
+        os.fsencode(ours),
+        MergeOptions(quiet=True),
     )
     for name in ("model.safetensors", "ram_statistics.json"):
         found = [p for p in stages.rglob(name)]
