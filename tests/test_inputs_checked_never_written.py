@@ -118,18 +118,8 @@ def test_vocabulary_mismatch_points_to_tokenizer_source(
 
 
 def test_vocabulary_mismatch_merges_with_mergekit_alignment(vocab_family, tmp_path):
-    config = vocab_family.config_dict("ram", tokenizer_source="union")
-    out = merge(config, tmp_path / "union")
-    assert read_json(out / "config.json")["vocab_size"] == 50
-    config = vocab_family.config_dict("ramplus")
-    out = merge(config, tmp_path / "cut", unsafe_truncate_embeddings=True)
-    merged = load_file(str(out / "model.safetensors"))
-    assert merged["model.embed_tokens.weight"].shape == (48, 32)
-
-
-def test_vocabulary_mismatch_in_memory_is_mergekits_error(vocab_family):
-    """In memory, mergekit checks the shapes (its ValueError) before RAM+
-    counts anything."""
+    """In a config, mergekit's alignment merges it; in memory, mergekit checks
+    the shapes (its ValueError) before RAM+ counts anything."""
     states = {name: vocab_family.state(name) for name in ("base", "wide", "same")}
     with pytest.raises(ValueError, match="Tensor size mismatch"):
         mergekit_ram.merge_state_dicts(states, "ramplus", base="base", strict=False)
@@ -137,6 +127,13 @@ def test_vocabulary_mismatch_in_memory_is_mergekits_error(vocab_family):
     tensors = [states[m][name] for m in ("base", "wide")]
     with pytest.raises(ValueError, match="Tensor size mismatch"):
         mergekit_ram.merge_tensors(tensors, "ramplus", base_index=0, name=name)
+    config = vocab_family.config_dict("ram", tokenizer_source="union")
+    out = merge(config, tmp_path / "union")
+    assert read_json(out / "config.json")["vocab_size"] == 50
+    config = vocab_family.config_dict("ramplus")
+    out = merge(config, tmp_path / "cut", unsafe_truncate_embeddings=True)
+    merged = load_file(str(out / "model.safetensors"))
+    assert merged["model.embed_tokens.weight"].shape == (48, 32)
 
 
 def test_shape_mismatch_fails_in_statistics_pass_before_merging(
@@ -166,16 +163,6 @@ def test_shape_mismatch_fails_in_statistics_pass_before_merging(
     }
     with pytest.raises(ValueError, match=LATE):  # mergekit's own shape check
         mergekit_ram.merge_state_dicts(states, "ram", base="base")
-
-
-def test_float_base_with_integer_task_tensor_is_refused():
-    base = torch.zeros(4)
-    with pytest.raises(ValueError, match="'w'"):
-        mergekit_ram.merge_state_dicts(
-            {"b": {"w": base}, "t": {"w": torch.zeros(4, dtype=torch.int64)}},
-            "ram",
-            base="b",
-        )
 
 
 # --- NaN and Inf ----------------------------------------------------------------
@@ -214,19 +201,6 @@ def test_nonfinite_refused_naming_model_tensor_and_count(
     assert "nonfinite: ignore" in message
     assert bool(calls) == merged_first
     assert_looks_incomplete(tmp_path / "out")
-
-
-def test_nonfinite_refused_in_memory_and_in_the_base(family):
-    base = family.state("base")
-    task = family.state("beta")
-    poison(task)
-    with pytest.raises(RAMInputError, match="model beta has 3 NaN and 1 inf"):
-        mergekit_ram.merge_state_dicts({"base": base, "beta": task}, "ram", base="base")
-    poison(base)
-    with pytest.raises(RAMInputError, match="base model base has 3 NaN"):
-        mergekit_ram.merge_state_dicts(
-            {"base": base, "beta": family.state("beta")}, "ramplus", base="base"
-        )
 
 
 def sanitized(family, tasks: list[dict]) -> list[dict]:
@@ -276,9 +250,18 @@ def test_nonfinite_can_be_ignored_for_one_tensor(family, poisoned, tmp_path):
         merge(config, tmp_path / "other")
 
 
-def test_nonfinite_base_with_ignore_keeps_the_base_value(family):
-    base = family.state("base")
+def test_nonfinite_in_memory_refused_and_in_the_base_ignored(family):
+    """Refused naming the task or the base model; with ignore, a non-finite
+    base element is kept as it is."""
+    base, task = family.state("base"), family.state("beta")
+    poison(task)
+    with pytest.raises(RAMInputError, match="model beta has 3 NaN and 1 inf"):
+        mergekit_ram.merge_state_dicts({"base": base, "beta": task}, "ram", base="base")
     poison(base)
+    with pytest.raises(RAMInputError, match="base model base has 3 NaN"):
+        mergekit_ram.merge_state_dicts(
+            {"base": base, "beta": family.state("beta")}, "ramplus", base="base"
+        )
     bad = ~torch.isfinite(base[LATE])
     tasks = family.task_states()
     merged = mergekit_ram.merge_state_dicts(
@@ -331,6 +314,12 @@ def test_buffers_pass_through_from_the_base(family):
 
     out = mergekit_ram.merge_tensors([counter, counter + 5], "ram", base_index=0)
     assert torch.equal(out, counter)
+    with pytest.raises(ValueError, match="'w'"):  # a float base, an integer task
+        mergekit_ram.merge_state_dicts(
+            {"b": {"w": torch.zeros(4)}, "t": {"w": torch.zeros(4, dtype=torch.int64)}},
+            "ram",
+            base="b",
+        )
 
 
 # --- inputs are never written ---------------------------------------------------
