@@ -85,7 +85,7 @@ def test_merge_tensors_equals_reference(method, parameters, dtype):
         assert tensor_equal(out, full["w"].to(dtype))
 
 
-def test_merge_tensors_ids_and_base_position():
+def test_merge_tensors_ids_base_position_and_dtypes():
     base, tasks = sparse_tasks((10, 30), [0.4, 0.4, 0.4], seed=22)
     tensors = [tasks[0], tasks[1], base, tasks[2]]
     out = mergekit_ram.merge_tensors(
@@ -100,6 +100,17 @@ def test_merge_tensors_ids_and_base_position():
         *as_dicts(base, tasks), r=0.1, unique_scale=[1.5, None, None]
     )
     assert torch.equal(out, merged["w"])
+    # dtype: converted before counting; out_dtype: the result rounded once.
+    low = mergekit_ram.merge_tensors(
+        [base, *tasks], "ramplus", base_index=0, dtype=torch.bfloat16
+    )
+    expected, _ = reference.merge(*as_dicts(*cast(base, tasks, torch.bfloat16)), r=0.1)
+    assert tensor_equal(low, expected["w"])
+    out = mergekit_ram.merge_tensors(
+        [base, *tasks], "ramplus", base_index=0, out_dtype=torch.float16
+    )
+    full, _ = reference.merge(*as_dicts(base, tasks), r=0.1)
+    assert tensor_equal(out, full["w"].to(torch.float16))
 
 
 # --- merge_state_dicts: global vs tensor statistics --------------------------------
@@ -215,21 +226,6 @@ def test_dtype_and_out_dtype(model_set, inputs, dtype, out_dtype):
     for name in base:
         assert tensor_equal(out[name], expected[name]), name
     assert any(not torch.equal(out[n], plain[n]) for n in base)
-
-
-def test_merge_tensors_dtype_and_out_dtype():
-    base, tasks = sparse_tasks((16, 16), [0.3, 0.5, 0.4], seed=24)
-    tensors = [base, *tasks]
-    low = mergekit_ram.merge_tensors(
-        tensors, "ramplus", base_index=0, dtype=torch.bfloat16
-    )
-    expected, _ = reference.merge(*as_dicts(*cast(base, tasks, torch.bfloat16)), r=0.1)
-    assert tensor_equal(low, expected["w"])
-    out = mergekit_ram.merge_tensors(
-        tensors, "ramplus", base_index=0, out_dtype=torch.float16
-    )
-    full, _ = reference.merge(*as_dicts(base, tasks), r=0.1)
-    assert tensor_equal(out, full["w"].to(torch.float16))
 
 
 # --- torch.nn.Module inputs ---------------------------------------------------------

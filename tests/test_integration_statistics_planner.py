@@ -336,6 +336,14 @@ def test_tensor_scope_writes_no_statistics_file(family_f32, tmp_path):
     assert_same_state(merged, expected)
     global_scope, _ = reference.merge(base, tasks, **settings)
     assert any(not torch.equal(global_scope[k], merged[k]) for k in merged)
+    # A per-tensor filter on r is allowed with tensor-local statistics.
+    value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
+    text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
+    out = run(text, tmp_path / "filtered")
+    mlp, _ = reference.merge(base, tasks, r=0.4, statistics="tensor")
+    rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
+    expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
+    assert_same_state(merged_state(out), expected)
 
 
 def test_ram_writes_no_statistics_and_matches_stock(family_f32, tmp_path):
@@ -438,16 +446,3 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path):
     assert (out2 / "model.safetensors").read_bytes() == (
         out / "model.safetensors"
     ).read_bytes()
-
-
-def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
-    family = family_f32
-    value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
-    text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
-    out = run(text, tmp_path / "out")
-    base = family.state("base")
-    tasks = family.task_states()
-    mlp, _ = reference.merge(base, tasks, r=0.4, statistics="tensor")
-    rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
-    expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
-    assert_same_state(merged_state(out), expected)
