@@ -283,6 +283,13 @@ finally:
 """
 
 
+def run_protocol(folder: Path, out: Path, step: int, how: str, **options):
+    """run_interrupted of the protocol alone, publishing NEW into out."""
+    files = ";".join(f"{k}={v}" for k, v in NEW.items())
+    args = [output_folder.__file__, str(out), files]
+    return run_interrupted(folder, step, how, "protocol", args, **options)
+
+
 def run_interrupted(
     folder: Path,
     step: int,

@@ -28,25 +28,18 @@ from faults import (
     failing,
     make_previous,
     ours_left,
-    run_interrupted,
+    run_protocol,
     tree,
     writer,
     writing,
 )
 
-import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
 
 
 @pytest.fixture
 def previous(tmp_path) -> Path:
     return make_previous(tmp_path)
-
-
-def run_protocol(folder: Path, out: Path, step: int, how: str):
-    files = ";".join(f"{k}={v}" for k, v in NEW.items())
-    args = [output_folder.__file__, str(out), files]
-    return run_interrupted(folder, step, how, "protocol", args)
 
 
 def make_out(root: Path, scenario: str) -> Path:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import NEW, NEWER, OLD, ours_left, run_interrupted, tree, writer
+from faults import NEW, NEWER, OLD, ours_left, run_protocol, tree, writer
 
 import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
@@ -159,20 +159,10 @@ def nobody(tmp_path):
         pytest.skip("no Python and package here that `nobody` may run")
     root = Path(tempfile.mkdtemp(prefix="mergekit-ram-nobody-"))
     root.chmod(0o755)
-    files = ";".join(f"{k}={v}" for k, v in NEW.items())
 
-    def run(out: Path) -> tuple[int, str]:
-        args = [output_folder.__file__, str(out), files]
-        code, output, _ = run_interrupted(
-            root,
-            0,
-            "SIGKILL",
-            "protocol",
-            args,
-            env=env,
-            prefix=(*prefix, "--clear-groups"),
-        )
-        return code, output
+    def run(out: Path) -> tuple[int, str, int | None]:
+        clear = (*prefix, "--clear-groups")
+        return run_protocol(root, out, 0, "SIGKILL", env=env, prefix=clear)
 
     yield root, user, run
     shutil.rmtree(root)
@@ -191,7 +181,7 @@ def test_as_another_user_in_shared_and_sticky_folders(nobody):
     (out / "results").chmod(0o555)
     out.parent.chmod(0o555)
     for _ in range(2):
-        code, output = run(out)
+        code, output, _ = run(out)
         assert code == 0, output
     assert (out / "results" / "run1.txt").read_text() == "kept" and not ours_left(out)
     out.parent.chmod(0o755)
@@ -202,6 +192,6 @@ def test_as_another_user_in_shared_and_sticky_folders(nobody):
     shared.chmod(0o1777)
     (shared / ".mergekit-ram").chmod(0o777)
     before = tree(shared)
-    code, output = run(shared)
+    code, output, _ = run(shared)
     assert code == 1 and "Operation not permitted" in output, output
     assert f"{shared} is as it was" in output and tree(shared) == before

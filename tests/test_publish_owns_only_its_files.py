@@ -72,9 +72,18 @@ def test_a_git_clone_as_out_commits_only_the_merge(previous):
 def test_no_file_is_taken_for_a_merges_by_its_name(previous, tmp_path):
     """A file the user changed since the merge wrote it is theirs; a .bin the
     user put beside a stock merge (no manifest) stays; same-named files are
-    replaced, as stock mergekit replaces them."""
+    replaced, as stock mergekit replaces them. A manifest copied with its
+    mtimes (`cp -a`) to ext4 with 128-byte inodes keeps whole seconds, FAT
+    two: the old merge is still ours, so its shards and index go."""
+    for name, _size, mtime in manifest(previous):
+        grain = 2 * 10**9 if name.startswith("model-") else 10**9
+        os.utime(previous / name, ns=(mtime, mtime - mtime % grain))
     (previous / "tokenizer.json").write_text("my own tokenizer now")
     staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == {
+        **expected(NEW, tmp_path / "new"),
+        "tokenizer.json": tree(previous)["tokenizer.json"],
+    }
     assert (previous / "tokenizer.json").read_text() == "my own tokenizer now"
     stock = tmp_path / "stock"
     stock.mkdir()
@@ -84,18 +93,6 @@ def test_no_file_is_taken_for_a_merges_by_its_name(previous, tmp_path):
         **expected(NEWER, tmp_path / "want", user=False),
         "pytorch_model.bin": tree(stock)["pytorch_model.bin"],
     }
-
-
-def test_a_manifest_copied_with_its_mtimes_to_a_coarser_file_system_counts(
-    previous, tmp_path
-):
-    """`cp -a` onto ext4 with 128-byte inodes keeps whole seconds, FAT two:
-    the old merge is still ours, so its shards and index go."""
-    for name, _size, mtime in manifest(previous):
-        grain = 2 * 10**9 if name.startswith("model-") else 10**9
-        os.utime(previous / name, ns=(mtime, mtime - mtime % grain))
-    staged_merge(str(previous), writer(NEW))
-    assert tree(previous) == expected(NEW, tmp_path / "want")
 
 
 def test_a_file_in_the_way_is_refused_never_deleted(tmp_path):
