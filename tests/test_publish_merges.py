@@ -29,8 +29,6 @@ from faults import (
     run_interrupted,
     writing,
 )
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
 from safetensors.torch import save_file
 
 import mergekit_ram
@@ -39,7 +37,6 @@ import mergekit_ram.integration.output_folder as output_folder
 import mergekit_ram.integration.publishing
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.publishing import guarded_run_merge
 
 SHARDS = 16_000  # bytes: the tiny models' merges span several shards
 LATE = "model.layers.1.mlp.down_proj.weight"  # merged after many others
@@ -194,18 +191,6 @@ def test_refused_before_anything_is_touched(family, fresh, tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "Error: The output folder path is empty" in result.output
     assert hashes(out) == before and hashes(Path(family.root)) == inputs
-
-
-def test_other_methods_are_left_to_mergekit(family, tmp_path):
-    calls = []
-    wrapped = guarded_run_merge(lambda *a, **k: calls.append((a, k)))
-    config = MergeConfiguration.model_validate(family.config_dict("task_arithmetic"))
-    (tmp_path / "config.json").write_text("{}")
-    wrapped(config, str(tmp_path), MergeOptions())
-    assert calls == [
-        ((config, str(tmp_path)), {"options": MergeOptions(), "config_source": None})
-    ]
-    assert os.listdir(tmp_path) == ["config.json"]  # nothing of ours
 
 
 def test_our_folder_removed_mid_merge_is_one_error(
