@@ -214,9 +214,7 @@ def test_nonfinite_ignore_keeps_the_base_there(family, poisoned, tmp_path):
     )
     for name in expected:
         assert torch.equal(in_memory[name], expected[name]), name
-
-
-def test_nonfinite_can_be_ignored_for_one_tensor(family, poisoned, tmp_path):
+    # ignore for the poisoned tensor only merges; for another one, refused.
     only_late = [{"filter": "down_proj", "value": "ignore"}, {"value": "refuse"}]
     parameters = {"nonfinite": only_late}
     config = config_dict(family, replace={"beta": poisoned}, parameters=parameters)

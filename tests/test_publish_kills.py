@@ -141,7 +141,7 @@ def test_a_users_folder_survives_a_killed_merge_and_a_failing_one(tmp_path):
     out.chmod(0o2770)
     code, output, _ = run_protocol(tmp_path, out, 4, "SIGKILL")  # staged only
     assert code == -signal.SIGKILL and (out / STATE / "staged").is_dir(), output
-    with pytest.raises(OutputError):
+    with pytest.raises(OutputError, match="No space left on device.* is as it was"):
         staged_merge(str(out), failing)
     assert os.listdir(out) == [] and out.stat().st_mode & 0o7777 == 0o2770
 
