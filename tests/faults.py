@@ -16,6 +16,7 @@ file), what of ours is left in OUT.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -24,6 +25,8 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import staged_merge
@@ -161,6 +164,24 @@ def default_signals() -> None:
     the child ignores the signal and the test waits for its timeout."""
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def tmpfs(point: Path, size: str = "4m", read_only: bool = False):
+    """A fresh tmpfs at point (skips the test where none can be mounted)."""
+    point.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
 
 
 def raise_on(monkeypatch, owner, name: str, error: BaseException, when) -> None:
