@@ -68,23 +68,6 @@ def model_set(request):
 # --- merge_tensors --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
-def test_merge_tensors_equals_reference(method, parameters, dtype):
-    ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
-    base, tasks = cast(*sparse_tasks((20, 18), [0.3, 0.5, 0.2], seed=21), dtype)
-    out = mergekit_ram.merge_tensors(
-        [base, *tasks], method, parameters=parameters, base_index=0
-    )
-    merged, _ = reference.merge(*as_dicts(base, tasks), **ref_kwargs)
-    assert tensor_equal(out, merged["w"])
-    if dtype != torch.float32:  # float32 computation, rounded once
-        full, _ = reference.merge(
-            *as_dicts(*cast(base, tasks, torch.float32)), **ref_kwargs
-        )
-        assert tensor_equal(out, full["w"].to(dtype))
-
-
 def test_merge_tensors_ids_base_position_and_dtypes():
     base, tasks = sparse_tasks((10, 30), [0.4, 0.4, 0.4], seed=22)
     tensors = [tasks[0], tasks[1], base, tasks[2]]
@@ -118,7 +101,12 @@ def test_merge_tensors_ids_base_position_and_dtypes():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
-def test_merge_state_dicts_equals_reference(model_set, method, parameters, dtype):
+def test_merge_state_dicts_and_tensors_equal_reference(
+    model_set, method, parameters, dtype
+):
+    """Computed in float32, rounded once: equal to the reference of the
+    inputs as given and of the inputs in float32, cast at the end.
+    merge_tensors: one tensor is the whole call."""
     ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
     base, tasks = model_set
     base = {k: v.to(dtype) for k, v in base.items()}
@@ -127,14 +115,24 @@ def test_merge_state_dicts_equals_reference(model_set, method, parameters, dtype
     out = mergekit_ram.merge_state_dicts(
         models, method, parameters=parameters, base=base_id
     )
+    name = "layers.0.weight"
+    alone = as_dicts(base[name], [t[name] for t in tasks])
+    out_tensor = mergekit_ram.merge_tensors(
+        [base[name], *(t[name] for t in tasks)],
+        method,
+        parameters=parameters,
+        base_index=0,
+    )
     expected, _ = reference.merge(base, tasks, **ref_kwargs)
+    full, _ = reference_result(base, tasks, torch.float32, **ref_kwargs)
+    one, _ = reference.merge(*alone, **ref_kwargs)
+    one_full, _ = reference_result(*alone, torch.float32, **ref_kwargs)
     assert list(out) == list(base)
-    for name in base:
-        assert tensor_equal(out[name], expected[name]), name
-    if dtype != torch.float32:
-        full, _ = reference_result(base, tasks, torch.float32, **ref_kwargs)
-        for name in base:
-            assert tensor_equal(out[name], full[name].to(dtype)), name
+    for key in base:
+        assert tensor_equal(out[key], expected[key]), key
+        assert tensor_equal(out[key], full[key].to(dtype)), key
+    assert tensor_equal(out_tensor, one["w"])
+    assert tensor_equal(out_tensor, one_full["w"].to(dtype))
 
 
 def test_state_dict_sequence_and_method_object(model_set):
