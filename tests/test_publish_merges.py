@@ -31,10 +31,8 @@ from faults import (
 )
 from safetensors.torch import save_file
 
-import mergekit_ram
 import mergekit_ram.integration.methods as methods
 import mergekit_ram.integration.output_folder as output_folder
-import mergekit_ram.integration.publishing
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
 
@@ -175,13 +173,8 @@ def test_refused_before_anything_is_touched(family, fresh, tmp_path, monkeypatch
     shutil.copytree(fresh, out)
     before, inputs = hashes(out), hashes(Path(family.root))
 
-    def refuse(config, options, document):
-        raise RAMInputError("bad config")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(mergekit_ram.integration.publishing, "check_config", refuse)
-        with pytest.raises(RAMInputError, match="bad config"):
-            merge(family.config_dict(), out)
+    with pytest.raises(RAMInputError, match="saturation"):  # a bad value
+        merge(family.config_dict(parameters={"saturation": "bogus"}), out)
     with pytest.raises(RAMInputError, match="would change an input"):
         merge(family.config_dict("ram"), Path(family.paths["gamma"]))
     config = tmp_path / "ram.yml"
