@@ -318,13 +318,8 @@ def _mergekit_yaml(config: Path, out: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _api(config: Path, out: Path) -> None:
-    text = config.read_text(encoding="utf-8")
-    merge(yaml.safe_load(text), out)
-
-
 RUNNERS = {
-    "run_merge": _api,
+    "run_merge": lambda c, o: merge(yaml.safe_load(c.read_text("utf-8")), o),
     "mergekit-ram merge": lambda c, o: _cli("merge", str(c), str(o), "--quiet"),
     "mergekit-ram merge --report": lambda c, o: _cli(
         "merge", str(c), str(o), "--quiet", "--report", f"{o}-report"
