@@ -88,11 +88,6 @@ print(json.dumps({
 class Launched(dict):
     """Subprocesses started together, by name; `result(name)` waits for one."""
 
-    def start(self, name: str, args: list[str], cwd: Path, env: dict) -> None:
-        self[name] = subprocess.Popen(
-            args, cwd=cwd, env=env, stdout=PIPE, stderr=PIPE, text=True
-        )
-
     def result(self, name: str) -> tuple[int, str, str]:
         proc = self[name]
         if not hasattr(proc, "output"):
@@ -119,21 +114,18 @@ def launched(cli_family, tmp_path_factory):
         encoding="utf-8",
     )
     runs = Launched()
-    for tool, args in (
-        ("mergekit-yaml", [str(BIN / "mergekit-yaml")]),
-        ("mergekit-ram", [str(BIN / "mergekit-ram"), "merge"]),
-    ):
-        out = root / tool
-        runs.start(tool, [*args, str(config), str(out)], root, child_env())
+    commands = {
+        tool: [str(BIN / tool), *args, str(config), str(root / tool)]
+        for tool, args in (("mergekit-yaml", []), ("mergekit-ram", ["merge"]))
+    }
     for name, imports in ORDERS.items():
-        code = imports + "\n" + REPORT
-        runs.start(name, [sys.executable, "-c", code], root, child_env())
-    runs.start(
-        "off",
-        [sys.executable, "-c", AUTOLOAD_OFF],
-        root,
-        child_env(MERGEKIT_RAM_AUTOLOAD="0"),
-    )
+        commands[name] = [sys.executable, "-c", imports + "\n" + REPORT]
+    commands["off"] = [sys.executable, "-c", AUTOLOAD_OFF]
+    for name, args in commands.items():
+        env = child_env(MERGEKIT_RAM_AUTOLOAD="0") if name == "off" else child_env()
+        runs[name] = subprocess.Popen(
+            args, cwd=root, env=env, stdout=PIPE, stderr=PIPE, text=True
+        )
     runs.root = root
     runs.config = config
     yield runs
