@@ -16,6 +16,7 @@ file), what of ours is left in OUT.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -25,6 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import staged_merge
 
 TIMEOUT = 300
@@ -162,6 +166,65 @@ def default_signals() -> None:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
+@contextlib.contextmanager
+def tmpfs(point: Path, size: str = "4m", read_only: bool = False):
+    """A fresh tmpfs at point (skips the test where none can be mounted)."""
+    point.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def raise_on(monkeypatch, owner, name: str, error: BaseException, when) -> None:
+    """owner.name raises `error` on its `when`th call (an int), or on each
+    call where when(*args) holds."""
+    real, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == when if isinstance(when, int) else when(*args):
+            raise error
+        return real(*args, **kwargs)
+
+    failing.__mergekit_ram__ = real  # our card patch is in place: kept, not redone
+    monkeypatch.setattr(owner, name, failing)
+
+
+WRITING = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("output_folder", sys.argv[1])
+folder = sys.modules["output_folder"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(folder)
+def write(staged):
+    print("WRITING", flush=True)
+    time.sleep(600)
+folder.staged_merge(sys.argv[2], write)
+"""
+
+
+def writing(out: Path, started=default_signals) -> subprocess.Popen:
+    """A child process holding OUT as a merge in progress does (the protocol
+    alone, loaded by path: it starts in a blink)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITING, output_folder.__file__, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=started,
+    )
+    assert proc.stdout.readline().strip() == "WRITING", proc.stderr.read()
+    return proc
+
+
 def check_exit(how: str, code: int, state: str, output: str) -> None:
     """A signal other than SIGKILL: one line that says truly where OUT stands."""
     assert code in EXITS[how], (how, code, output)
@@ -239,6 +302,13 @@ try:
 finally:
     print("STEPS", Faulty.count, flush=True)
 """
+
+
+def run_protocol(folder: Path, out: Path, step: int, how: str, **options):
+    """run_interrupted of the protocol alone, publishing NEW into out."""
+    files = ";".join(f"{k}={v}" for k, v in NEW.items())
+    args = [output_folder.__file__, str(out), files]
+    return run_interrupted(folder, step, how, "protocol", args, **options)
 
 
 def run_interrupted(

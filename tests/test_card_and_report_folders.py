@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from faults import ours_left
+from faults import ours_left, tmpfs
 
 from mergekit_ram.commands.cli import main
 
@@ -119,16 +119,7 @@ def test_report_folder_inside_an_input_is_refused(family, tmp_path, command):
 
 
 def test_a_report_on_a_full_disk_is_one_error_after_a_complete_merge(family, tmp_path):
-    point = tmp_path / "small"
-    point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(point)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small", "16k") as point:
         (point / "filler").write_bytes(b"\0" * 12_000)
         config = write_config(tmp_path / "ram.yml", family.config_dict("ramplus"))
         out = tmp_path / "out"
@@ -139,5 +130,3 @@ def test_a_report_on_a_full_disk_is_one_error_after_a_complete_merge(family, tmp
         assert "No space left on device" in result.output
         assert "Traceback" not in result.output
         assert (out / "config.json").is_file() and ours_left(out) == []
-    finally:
-        subprocess.run(["umount", str(point)], check=True)

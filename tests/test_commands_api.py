@@ -68,24 +68,7 @@ def model_set(request):
 # --- merge_tensors --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
-def test_merge_tensors_equals_reference(method, parameters, dtype):
-    ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
-    base, tasks = cast(*sparse_tasks((20, 18), [0.3, 0.5, 0.2], seed=21), dtype)
-    out = mergekit_ram.merge_tensors(
-        [base, *tasks], method, parameters=parameters, base_index=0
-    )
-    merged, _ = reference.merge(*as_dicts(base, tasks), **ref_kwargs)
-    assert tensor_equal(out, merged["w"])
-    if dtype != torch.float32:  # float32 computation, rounded once
-        full, _ = reference.merge(
-            *as_dicts(*cast(base, tasks, torch.float32)), **ref_kwargs
-        )
-        assert tensor_equal(out, full["w"].to(dtype))
-
-
-def test_merge_tensors_ids_and_base_position():
+def test_merge_tensors_ids_base_position_and_dtypes():
     base, tasks = sparse_tasks((10, 30), [0.4, 0.4, 0.4], seed=22)
     tensors = [tasks[0], tasks[1], base, tasks[2]]
     out = mergekit_ram.merge_tensors(
@@ -100,6 +83,17 @@ def test_merge_tensors_ids_and_base_position():
         *as_dicts(base, tasks), r=0.1, unique_scale=[1.5, None, None]
     )
     assert torch.equal(out, merged["w"])
+    # dtype: converted before counting; out_dtype: the result rounded once.
+    low = mergekit_ram.merge_tensors(
+        [base, *tasks], "ramplus", base_index=0, dtype=torch.bfloat16
+    )
+    expected, _ = reference.merge(*as_dicts(*cast(base, tasks, torch.bfloat16)), r=0.1)
+    assert tensor_equal(low, expected["w"])
+    out = mergekit_ram.merge_tensors(
+        [base, *tasks], "ramplus", base_index=0, out_dtype=torch.float16
+    )
+    full, _ = reference.merge(*as_dicts(base, tasks), r=0.1)
+    assert tensor_equal(out, full["w"].to(torch.float16))
 
 
 # --- merge_state_dicts: global vs tensor statistics --------------------------------
@@ -107,7 +101,12 @@ def test_merge_tensors_ids_and_base_position():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("method,parameters", CONFIGS, ids=CONFIG_IDS)
-def test_merge_state_dicts_equals_reference(model_set, method, parameters, dtype):
+def test_merge_state_dicts_and_tensors_equal_reference(
+    model_set, method, parameters, dtype
+):
+    """Computed in float32, rounded once: equal to the reference of the
+    inputs as given and of the inputs in float32, cast at the end.
+    merge_tensors: one tensor is the whole call."""
     ref_kwargs = {"r": 0.1 if method == "ramplus" else 0.0, **parameters}
     base, tasks = model_set
     base = {k: v.to(dtype) for k, v in base.items()}
@@ -116,14 +115,24 @@ def test_merge_state_dicts_equals_reference(model_set, method, parameters, dtype
     out = mergekit_ram.merge_state_dicts(
         models, method, parameters=parameters, base=base_id
     )
+    name = "layers.0.weight"
+    alone = as_dicts(base[name], [t[name] for t in tasks])
+    out_tensor = mergekit_ram.merge_tensors(
+        [base[name], *(t[name] for t in tasks)],
+        method,
+        parameters=parameters,
+        base_index=0,
+    )
     expected, _ = reference.merge(base, tasks, **ref_kwargs)
+    full, _ = reference_result(base, tasks, torch.float32, **ref_kwargs)
+    one, _ = reference.merge(*alone, **ref_kwargs)
+    one_full, _ = reference_result(*alone, torch.float32, **ref_kwargs)
     assert list(out) == list(base)
-    for name in base:
-        assert tensor_equal(out[name], expected[name]), name
-    if dtype != torch.float32:
-        full, _ = reference_result(base, tasks, torch.float32, **ref_kwargs)
-        for name in base:
-            assert tensor_equal(out[name], full[name].to(dtype)), name
+    for key in base:
+        assert tensor_equal(out[key], expected[key]), key
+        assert tensor_equal(out[key], full[key].to(dtype)), key
+    assert tensor_equal(out_tensor, one["w"])
+    assert tensor_equal(out_tensor, one_full["w"].to(dtype))
 
 
 def test_state_dict_sequence_and_method_object(model_set):
@@ -217,21 +226,6 @@ def test_dtype_and_out_dtype(model_set, inputs, dtype, out_dtype):
     assert any(not torch.equal(out[n], plain[n]) for n in base)
 
 
-def test_merge_tensors_dtype_and_out_dtype():
-    base, tasks = sparse_tasks((16, 16), [0.3, 0.5, 0.4], seed=24)
-    tensors = [base, *tasks]
-    low = mergekit_ram.merge_tensors(
-        tensors, "ramplus", base_index=0, dtype=torch.bfloat16
-    )
-    expected, _ = reference.merge(*as_dicts(*cast(base, tasks, torch.bfloat16)), r=0.1)
-    assert tensor_equal(low, expected["w"])
-    out = mergekit_ram.merge_tensors(
-        tensors, "ramplus", base_index=0, out_dtype=torch.float16
-    )
-    full, _ = reference.merge(*as_dicts(base, tasks), r=0.1)
-    assert tensor_equal(out, full["w"].to(torch.float16))
-
-
 # --- torch.nn.Module inputs ---------------------------------------------------------
 
 
@@ -294,8 +288,25 @@ def test_module_inputs(parameters, ref_kwargs, grad):
 # --- other API behaviour -------------------------------------------------------------
 
 
-def test_non_strict_counts_common_tensors_only(model_set):
+def test_epsilon_non_strict_and_other_methods(model_set):
+    """epsilon is the statistics' threshold; strict=False counts the common
+    tensors only; another method is mergekit's own."""
     base, tasks = model_set
+    models, base_id, _ = ordered(base, tasks)
+    out = mergekit_ram.merge_state_dicts(
+        models, "ramplus", parameters={"epsilon": 5e-3}, base=base_id
+    )
+    expected, lam = reference.merge(base, tasks, r=0.1, epsilon=5e-3)
+    _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
+    assert lam != default_lam
+    assert all(torch.equal(out[k], expected[k]) for k in base)
+    ours = mergekit_ram.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    theirs = merge_methods.merge_state_dicts(
+        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
+    )
+    assert all(torch.equal(ours[k], theirs[k]) for k in base)
     extra = sparse_tasks((30, 30), [0.9], seed=3)[1][0]
     tasks = [dict(t) for t in tasks]
     tasks[0]["only.in.one"] = extra
@@ -308,9 +319,13 @@ def test_non_strict_counts_common_tensors_only(model_set):
         assert torch.equal(out[name], expected[name]), name
 
 
-def test_per_group_values_must_agree_for_global_statistics(model_set):
+def test_per_group_values_must_agree_for_global_statistics_and_base_required(
+    model_set,
+):
     base, tasks = model_set
     models, base_id, _ = ordered(base, tasks)
+    with pytest.raises(ValueError, match="base"):
+        mergekit_ram.merge_state_dicts(models, "ramplus")
     n = len(base)
     with pytest.raises(ValueError, match="'r' is 0.1 for tensor .* but 0.2 for"):
         mergekit_ram.merge_state_dicts(
@@ -327,13 +342,6 @@ def test_per_group_values_must_agree_for_global_statistics(model_set):
     )
     expected, _ = reference.merge(base, tasks, r=0.3)
     assert all(torch.equal(out[k], expected[k]) for k in base)
-
-
-def test_base_required(model_set):
-    base, tasks = model_set
-    models, _, _ = ordered(base, tasks)
-    with pytest.raises(ValueError, match="base"):
-        mergekit_ram.merge_state_dicts(models, "ramplus")
 
 
 @pytest.mark.parametrize("parameters", [None, {"r": 0.3, "alpha": 1.0}])
@@ -364,30 +372,6 @@ def test_mergekits_own_merge_tensors_is_ramplus_of_that_tensor():
     assert torch.equal(theirs, ours)
     # alpha: S/U = 1 → λ = 1.1; beta: S/U = 1/2 → λ = 1.05
     assert torch.allclose(theirs, torch.tensor([1.0, 1.1, 1.05, 1.05, 0, 0]))
-
-
-def test_other_methods_pass_through(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    ours = mergekit_ram.merge_state_dicts(
-        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
-    )
-    theirs = merge_methods.merge_state_dicts(
-        models, "task_arithmetic", parameters={"weight": 0.5}, base=base_id
-    )
-    assert all(torch.equal(ours[k], theirs[k]) for k in base)
-
-
-def test_epsilon_parameter_used_for_statistics(model_set):
-    base, tasks = model_set
-    models, base_id, _ = ordered(base, tasks)
-    out = mergekit_ram.merge_state_dicts(
-        models, "ramplus", parameters={"epsilon": 5e-3}, base=base_id
-    )
-    expected, lam = reference.merge(base, tasks, r=0.1, epsilon=5e-3)
-    _, default_lam = reference.merge(base, tasks, r=0.1, epsilon=EPSILON)
-    assert lam != default_lam
-    assert all(torch.equal(out[k], expected[k]) for k in base)
 
 
 @pytest.mark.parametrize("base_at", [0, 1])
@@ -433,20 +417,9 @@ def test_recipe_yaml_writes_any_model_path_back_as_it_parses(path):
         assert text == config.to_yaml()  # mergekit's own text where it can write it
 
 
-def test_run_merge_takes_a_bytes_path(family_f32, tmp_path):
-    from mergekit.config import MergeConfiguration
-    from mergekit.options import MergeOptions
-
-    config = MergeConfiguration.model_validate(family_f32.config_dict("ram"))
-    mergekit_ram.run_merge(
-        config, os.fsencode(tmp_path / "out"), MergeOptions(quiet=True)
-    )
-    assert (tmp_path / "out" / "model.safetensors").is_file()
-
-
 def test_mergekit_multi_merges_global_ramplus(family_f32, tmp_path):
     """mergekit-multi runs each stage through mergekit's run_merge: a ramplus
-    stage gets whole-model λ, the same as ours."""
+    stage gets whole-model λ, the same as ours (which takes a bytes path)."""
     from click.testing import CliRunner
     from mergekit.config import MergeConfiguration
     from mergekit.options import MergeOptions
@@ -463,7 +436,9 @@ def test_mergekit_multi_merges_global_ramplus(family_f32, tmp_path):
     assert result.exit_code == 0, result.output
     ours = tmp_path / "ours"
     mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(document), str(ours), MergeOptions(quiet=True)
+        MergeConfiguration.model_validate(document),
+        os.fsencode(ours),
+        MergeOptions(quiet=True),
     )
     for name in ("model.safetensors", "ram_statistics.json"):
         found = [p for p in stages.rglob(name)]

@@ -20,7 +20,6 @@ from mergekit.options import MergeOptions
 from safetensors.torch import load_file
 
 import mergekit_ram
-import mergekit_ram.integration.statistics
 from mergekit_ram.integration.methods import ramplus
 
 STATISTICS_FILE = "ram_statistics.json"
@@ -289,17 +288,6 @@ def test_single_task_model(family_f32, tmp_path):
     assert row["shared"] == 0 and row["rho"] == 0 and row["scale"] == 1.0
 
 
-def _no_pass(monkeypatch):
-    calls = []
-
-    def refuse(*args, **kwargs):
-        calls.append(args)
-        raise AssertionError("the statistics pass ran")
-
-    monkeypatch.setattr(mergekit_ram.integration.statistics, "collect_planned", refuse)
-    return calls
-
-
 def assert_local_section(card, family, base, tasks, settings) -> None:
     """Issue 30 item 6: the card of a tensor-local merge has its statistics
     section: each agent's counts over the whole model, and the smallest and
@@ -333,13 +321,11 @@ def assert_local_section(card, family, base, tasks, settings) -> None:
         assert lam == f"{low:.4f}–{high:.4f}"
 
 
-def test_tensor_scope_has_no_pass(family_f32, tmp_path, monkeypatch):
-    calls = _no_pass(monkeypatch)
+def test_tensor_scope_writes_no_statistics_file(family_f32, tmp_path):
     family = family_f32
     settings = CASES["clip"]
     text = family.yaml("ramplus", parameters={**settings, "statistics": "tensor"})
     out = run(text, tmp_path / "out")
-    assert not calls
     assert not (out / STATISTICS_FILE).exists()
     base = family.state("base")
     tasks = family.task_states()
@@ -350,16 +336,22 @@ def test_tensor_scope_has_no_pass(family_f32, tmp_path, monkeypatch):
     assert_same_state(merged, expected)
     global_scope, _ = reference.merge(base, tasks, **settings)
     assert any(not torch.equal(global_scope[k], merged[k]) for k in merged)
+    # A per-tensor filter on r is allowed with tensor-local statistics.
+    value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
+    text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
+    out = run(text, tmp_path / "filtered")
+    mlp, _ = reference.merge(base, tasks, r=0.4, statistics="tensor")
+    rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
+    expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
+    assert_same_state(merged_state(out), expected)
 
 
-def test_ram_has_no_pass_and_matches_stock(family_f32, tmp_path, monkeypatch):
+def test_ram_writes_no_statistics_and_matches_stock(family_f32, tmp_path):
     from mergekit.merge_methods import merge_state_dicts
     from mergekit.merge_methods.ram import ram_merge as stock_ram
 
-    calls = _no_pass(monkeypatch)
     family = family_f32
     out = run(family.yaml("ram"), tmp_path / "out")
-    assert not calls
     assert not (out / STATISTICS_FILE).exists()
     base = family.state("base")
     tasks = family.task_states()
@@ -379,10 +371,9 @@ def test_ram_has_no_pass_and_matches_stock(family_f32, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("given", [[1.5, 1.25, 2.0], [1.75, None, None]])
-def test_explicit_unique_scale_skips_the_pass_or_counts_the_rest(
-    given, family_f32, tmp_path, monkeypatch
+def test_explicit_unique_scale_writes_no_statistics_or_counts_the_rest(
+    given, family_f32, tmp_path
 ):
-    calls = _no_pass(monkeypatch) if None not in given else None
     family = family_f32
     settings = CASES["soft"]
     text = family.yaml(
@@ -399,8 +390,7 @@ def test_explicit_unique_scale_skips_the_pass_or_counts_the_rest(
     tasks = family.task_states()
     expected, lambdas = reference.merge(base, tasks, unique_scale=given, **settings)
     assert_same_state(merged_state(out), expected)
-    if calls is not None:
-        assert not calls
+    if None not in given:
         assert not (out / STATISTICS_FILE).exists()
         return
     rows = {row["model"]: row for row in read_json(out / STATISTICS_FILE)["tasks"]}
@@ -456,16 +446,3 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path):
     assert (out2 / "model.safetensors").read_bytes() == (
         out / "model.safetensors"
     ).read_bytes()
-
-
-def test_per_tensor_filter_allowed_with_tensor_scope(family_f32, tmp_path):
-    family = family_f32
-    value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
-    text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
-    out = run(text, tmp_path / "out")
-    base = family.state("base")
-    tasks = family.task_states()
-    mlp, _ = reference.merge(base, tasks, r=0.4, statistics="tensor")
-    rest, _ = reference.merge(base, tasks, r=0.1, statistics="tensor")
-    expected = {k: (mlp[k] if "mlp" in k else rest[k]) for k in base}
-    assert_same_state(merged_state(out), expected)

@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,13 +28,12 @@ from faults import (
     failing,
     make_previous,
     ours_left,
-    run_interrupted,
+    run_protocol,
     tree,
-    with_user_files,
     writer,
+    writing,
 )
 
-import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
 
 
@@ -45,20 +42,9 @@ def previous(tmp_path) -> Path:
     return make_previous(tmp_path)
 
 
-def run_protocol(folder: Path, out: Path, step: int, how: str):
-    files = ";".join(f"{k}={v}" for k, v in NEW.items())
-    args = [output_folder.__file__, str(out), files]
-    return run_interrupted(folder, step, how, "protocol", args)
-
-
 def make_out(root: Path, scenario: str) -> Path:
     root.mkdir(parents=True)
-    out = root / "out"
-    if scenario == "previous merge":
-        out.mkdir()
-        with_user_files(out)
-        staged_merge(str(out), writer(OLD))
-    return out
+    return make_previous(root) if scenario == "previous merge" else root / "out"
 
 
 @pytest.fixture
@@ -155,21 +141,9 @@ def test_a_users_folder_survives_a_killed_merge_and_a_failing_one(tmp_path):
     out.chmod(0o2770)
     code, output, _ = run_protocol(tmp_path, out, 4, "SIGKILL")  # staged only
     assert code == -signal.SIGKILL and (out / STATE / "staged").is_dir(), output
-    with pytest.raises(OutputError):
+    with pytest.raises(OutputError, match="No space left on device.* is as it was"):
         staged_merge(str(out), failing)
     assert os.listdir(out) == [] and out.stat().st_mode & 0o7777 == 0o2770
-
-
-WRITING = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("output_folder", sys.argv[1])
-folder = sys.modules["output_folder"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(folder)
-def write(staged):
-    print("WRITING", flush=True)
-    time.sleep(60)
-folder.staged_merge(sys.argv[2], write)
-"""
 
 
 def nohup() -> None:
@@ -183,14 +157,7 @@ def test_the_first_of_two_signals_names_the_exit(previous, started):
     session's manager): one line naming SIGHUP, exit 129, staging removed;
     under `nohup` SIGHUP stays ignored and SIGTERM ends the run."""
     before = tree(previous)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITING, output_folder.__file__, str(previous)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=started,
-    )
-    assert proc.stdout.readline().strip() == "WRITING"
+    proc = writing(previous, started)
     proc.send_signal(signal.SIGHUP)
     time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)

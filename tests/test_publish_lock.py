@@ -5,6 +5,7 @@ allows (root), skipped with the reason elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import NEW, NEWER, OLD, ours_left, run_interrupted, tree, writer
+from faults import NEW, NEWER, OLD, ours_left, run_protocol, tmpfs, tree, writer
 
 import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
@@ -75,33 +76,17 @@ def test_racing_merges_win_or_say_another_merge_is_writing(tmp_path, nested):
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
+def mount():
     """mount(point, size, read_only) -> a fresh tmpfs at point; all unmounted after."""
-    mounted: list[Path] = []
-
-    def mount(point: Path, size: str = "4m", read_only: bool = False) -> Path:
-        point.mkdir(parents=True, exist_ok=True)
-        options = f"size={size}" + (",ro" if read_only else "")
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in reversed(mounted):
-        subprocess.run(["umount", str(point)], check=True)
+    with contextlib.ExitStack() as mounted:
+        yield lambda *args, **kwargs: mounted.enter_context(tmpfs(*args, **kwargs))
 
 
-def test_mounts_as_out_below_out_and_a_second_path_to_out(tmpfs, tmp_path):
+def test_mounts_as_out_below_out_and_a_second_path_to_out(mount, tmp_path):
     """A Docker volume is a mount point; a mount below OUT keeps its files; a
     bind mount shows OUT under a second path, with one lock."""
-    out = tmpfs(tmp_path / "volume")
-    disk = tmpfs(out / "data" / "disk")
+    out = mount(tmp_path / "volume")
+    disk = mount(out / "data" / "disk")
     (disk / "dataset.jsonl").write_text("rows")
     staged_merge(str(out), writer(OLD))
     other = tmp_path / "other"
@@ -121,11 +106,11 @@ def test_mounts_as_out_below_out_and_a_second_path_to_out(tmpfs, tmp_path):
     assert sorted(os.listdir(out)) == sorted([*NEW, "data", ".mergekit-ram"])
 
 
-def test_a_read_only_or_full_mount_is_one_error_out_as_it_was(tmpfs, tmp_path):
-    read_only = tmpfs(tmp_path / "ro", read_only=True)
+def test_a_read_only_or_full_mount_is_one_error_out_as_it_was(mount, tmp_path):
+    read_only = mount(tmp_path / "ro", read_only=True)
     with pytest.raises(OutputError, match="Read-only file system"):
         staged_merge(str(read_only / "out"), writer(NEW))
-    out = tmpfs(tmp_path / "small", size="64k")
+    out = mount(tmp_path / "small", size="64k")
     staged_merge(str(out), writer(OLD))
     before = tree(out)
 
@@ -159,20 +144,10 @@ def nobody(tmp_path):
         pytest.skip("no Python and package here that `nobody` may run")
     root = Path(tempfile.mkdtemp(prefix="mergekit-ram-nobody-"))
     root.chmod(0o755)
-    files = ";".join(f"{k}={v}" for k, v in NEW.items())
 
-    def run(out: Path) -> tuple[int, str]:
-        args = [output_folder.__file__, str(out), files]
-        code, output, _ = run_interrupted(
-            root,
-            0,
-            "SIGKILL",
-            "protocol",
-            args,
-            env=env,
-            prefix=(*prefix, "--clear-groups"),
-        )
-        return code, output
+    def run(out: Path) -> tuple[int, str, int | None]:
+        clear = (*prefix, "--clear-groups")
+        return run_protocol(root, out, 0, "SIGKILL", env=env, prefix=clear)
 
     yield root, user, run
     shutil.rmtree(root)
@@ -191,7 +166,7 @@ def test_as_another_user_in_shared_and_sticky_folders(nobody):
     (out / "results").chmod(0o555)
     out.parent.chmod(0o555)
     for _ in range(2):
-        code, output = run(out)
+        code, output, _ = run(out)
         assert code == 0, output
     assert (out / "results" / "run1.txt").read_text() == "kept" and not ours_left(out)
     out.parent.chmod(0o755)
@@ -202,6 +177,6 @@ def test_as_another_user_in_shared_and_sticky_folders(nobody):
     shared.chmod(0o1777)
     (shared / ".mergekit-ram").chmod(0o777)
     before = tree(shared)
-    code, output = run(shared)
+    code, output, _ = run(shared)
     assert code == 1 and "Operation not permitted" in output, output
     assert f"{shared} is as it was" in output and tree(shared) == before

@@ -25,19 +25,16 @@ from faults import (
     check_exit,
     default_signals,
     ours_left,
+    raise_on,
     run_interrupted,
+    writing,
 )
-from mergekit.config import MergeConfiguration
-from mergekit.options import MergeOptions
 from safetensors.torch import save_file
 
-import mergekit_ram
 import mergekit_ram.integration.methods as methods
 import mergekit_ram.integration.output_folder as output_folder
-import mergekit_ram.integration.publishing
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.publishing import guarded_run_merge
 
 SHARDS = 16_000  # bytes: the tiny models' merges span several shards
 LATE = "model.layers.1.mlp.down_proj.weight"  # merged after many others
@@ -96,20 +93,6 @@ def with_model(config: dict, family, task: str, path: str) -> dict:
     return config
 
 
-def _raise_on_call(monkeypatch, module, name, error, nth) -> None:
-    """Make module.name raise `error` from its nth call on (or where nth(args))."""
-    real, calls = getattr(module, name), [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth if isinstance(nth, int) else nth(*args):
-            raise error
-        return real(*args, **kwargs)
-
-    failing.__mergekit_ram__ = real  # our card patch is in place: kept, not redone
-    monkeypatch.setattr(module, name, failing)
-
-
 FAILURES = {  # mid-merge; after config.json was staged; writing the manifest
     "kernel error": (methods, "ram_merge_tensor", RuntimeError("boom"), 12),
     "Ctrl-C": (methods, "ram_merge_tensor", KeyboardInterrupt(), 12),
@@ -132,7 +115,7 @@ def test_a_failed_rerun_leaves_the_previous_merge_byte_for_byte(
     (out / "notes.txt").write_text("mine")
     before = hashes(out)
     module, name, error, nth = FAILURES[failure]
-    _raise_on_call(monkeypatch, module, name, error, nth)
+    raise_on(monkeypatch, module, name, error, nth)
     if isinstance(error, OSError):  # the environment: one error, where OUT stands
         said = re.escape(f"{error.strerror}; {out} is as it was")
         with pytest.raises(RAMInputError, match=said):
@@ -190,13 +173,8 @@ def test_refused_before_anything_is_touched(family, fresh, tmp_path, monkeypatch
     shutil.copytree(fresh, out)
     before, inputs = hashes(out), hashes(Path(family.root))
 
-    def refuse(config, options, document):
-        raise RAMInputError("bad config")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(mergekit_ram.integration.publishing, "check_config", refuse)
-        with pytest.raises(RAMInputError, match="bad config"):
-            merge(family.config_dict(), out)
+    with pytest.raises(RAMInputError, match="saturation"):  # a bad value
+        merge(family.config_dict(parameters={"saturation": "bogus"}), out)
     with pytest.raises(RAMInputError, match="would change an input"):
         merge(family.config_dict("ram"), Path(family.paths["gamma"]))
     config = tmp_path / "ram.yml"
@@ -206,18 +184,6 @@ def test_refused_before_anything_is_touched(family, fresh, tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "Error: The output folder path is empty" in result.output
     assert hashes(out) == before and hashes(Path(family.root)) == inputs
-
-
-def test_other_methods_are_left_to_mergekit(family, tmp_path):
-    calls = []
-    wrapped = guarded_run_merge(lambda *a, **k: calls.append((a, k)))
-    config = MergeConfiguration.model_validate(family.config_dict("task_arithmetic"))
-    (tmp_path / "config.json").write_text("{}")
-    wrapped(config, str(tmp_path), MergeOptions())
-    assert calls == [
-        ((config, str(tmp_path)), {"options": MergeOptions(), "config_source": None})
-    ]
-    assert os.listdir(tmp_path) == ["config.json"]  # nothing of ours
 
 
 def test_our_folder_removed_mid_merge_is_one_error(
@@ -251,24 +217,8 @@ def test_a_second_merge_into_out_fails_at_once(family, tmp_path):
     config = tmp_path / "ram.yml"
     config.write_text(family.yaml("ram"))
     out = tmp_path / "out"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from mergekit_ram.integration.output_folder import staged_merge\n"
-            "def write(staged):\n"
-            "    print('WRITING', flush=True); time.sleep(600)\n"
-            "staged_merge(sys.argv[1], write)\n",
-            str(out),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_signals,
-    )
+    holder = writing(out)
     try:
-        assert holder.stdout.readline().strip() == "WRITING", holder.stderr.read()
         said = cli("merge", str(config), str(out), code=2)
         assert "Another merge is writing into" in said and holder.poll() is None
     finally:

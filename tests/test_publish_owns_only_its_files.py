@@ -26,9 +26,9 @@ from faults import (
     long_path,
     make_previous,
     ours_left,
+    raise_on,
     tree,
     user_tree,
-    with_user_files,
     writer,
 )
 
@@ -47,11 +47,16 @@ def manifest(out: Path) -> list:
 
 def test_publish_replaces_the_old_merge_and_keeps_user_files(previous, tmp_path):
     """The old merge's shards, index and tokenizer go; the user's files stay
-    byte for byte; only the manifest (and its .gitignore) is left of ours."""
-    staged_merge(str(previous), writer(NEW))
-    assert tree(previous) == expected(NEW, tmp_path / "want")
-    assert sorted(name for name, *_ in manifest(previous)) == sorted(NEW)
-    assert ours_left(previous) == []
+    byte for byte; only the manifest (and its .gitignore) is left of ours.
+    OUT has a long odd name and is reached through a symlink."""
+    out = tmp_path / ("m é$ 'x\"" + "m" * 230)
+    previous.rename(out)
+    os.symlink(out, tmp_path / "link")
+    staged_merge(str(tmp_path / "link"), writer(NEW))
+    assert (tmp_path / "link").is_symlink()
+    assert tree(out) == expected(NEW, tmp_path / "want")
+    assert sorted(name for name, *_ in manifest(out)) == sorted(NEW)
+    assert ours_left(out) == []
 
 
 def test_a_git_clone_as_out_commits_only_the_merge(previous):
@@ -71,9 +76,18 @@ def test_a_git_clone_as_out_commits_only_the_merge(previous):
 def test_no_file_is_taken_for_a_merges_by_its_name(previous, tmp_path):
     """A file the user changed since the merge wrote it is theirs; a .bin the
     user put beside a stock merge (no manifest) stays; same-named files are
-    replaced, as stock mergekit replaces them."""
+    replaced, as stock mergekit replaces them. A manifest copied with its
+    mtimes (`cp -a`) to ext4 with 128-byte inodes keeps whole seconds, FAT
+    two: the old merge is still ours, so its shards and index go."""
+    for name, _size, mtime in manifest(previous):
+        grain = 2 * 10**9 if name.startswith("model-") else 10**9
+        os.utime(previous / name, ns=(mtime, mtime - mtime % grain))
     (previous / "tokenizer.json").write_text("my own tokenizer now")
     staged_merge(str(previous), writer(NEW))
+    assert tree(previous) == {
+        **expected(NEW, tmp_path / "new"),
+        "tokenizer.json": tree(previous)["tokenizer.json"],
+    }
     assert (previous / "tokenizer.json").read_text() == "my own tokenizer now"
     stock = tmp_path / "stock"
     stock.mkdir()
@@ -85,23 +99,11 @@ def test_no_file_is_taken_for_a_merges_by_its_name(previous, tmp_path):
     }
 
 
-def test_a_manifest_copied_with_its_mtimes_to_a_coarser_file_system_counts(
-    previous, tmp_path
-):
-    """`cp -a` onto ext4 with 128-byte inodes keeps whole seconds, FAT two:
-    the old merge is still ours, so its shards and index go."""
-    for name, _size, mtime in manifest(previous):
-        grain = 2 * 10**9 if name.startswith("model-") else 10**9
-        os.utime(previous / name, ns=(mtime, mtime - mtime % grain))
-    staged_merge(str(previous), writer(NEW))
-    assert tree(previous) == expected(NEW, tmp_path / "want")
-
-
-def test_a_weight_file_in_the_way_is_refused_never_deleted(tmp_path):
+def test_a_file_in_the_way_is_refused_never_deleted(tmp_path):
     """Weights a loader would take instead of the merge's (the user's
     model.safetensors beside a sharded merge, a stock index beside a single
     file) are refused by name before anything is published; in the way of
-    every layout, before merging."""
+    every layout, before merging; so is a folder where the merge writes a file."""
     out = tmp_path / "out"
     staged_merge(str(out), writer(NEW))
     (out / "model.safetensors").write_text("the user's fine-tune, longer")
@@ -115,6 +117,13 @@ def test_a_weight_file_in_the_way_is_refused_never_deleted(tmp_path):
     with pytest.raises(OutputError, match="holds model.safetensors.index.json"):
         staged_merge(str(stock), writer(NEW))
     staged_merge(str(stock), writer(OLD))  # the same layout replaces each by name
+    (stock / "README.md").unlink()
+    (stock / "README.md").mkdir()
+    (stock / "README.md" / "mine.txt").write_text("mine")
+    before = tree(stock)
+    with pytest.raises(OutputError, match="holds a folder named README.md"):
+        staged_merge(str(stock), writer(OLD))
+    assert tree(stock) == before and ours_left(stock) == []
     both = tmp_path / "both"
     both.mkdir()
     writer({"model.safetensors": "a", "model.safetensors.index.json": "b"})(str(both))
@@ -124,28 +133,13 @@ def test_a_weight_file_in_the_way_is_refused_never_deleted(tmp_path):
     assert not called and tree(both) == before
 
 
-def test_a_folder_where_the_merge_writes_a_file_is_refused(previous):
-    (previous / "README.md").unlink()
-    (previous / "README.md").mkdir()
-    (previous / "README.md" / "mine.txt").write_text("mine")
-    before = tree(previous)
-    with pytest.raises(OutputError, match="holds a folder named README.md"):
-        staged_merge(str(previous), writer(NEW))
-    assert tree(previous) == before and ours_left(previous) == []
-
-
-@pytest.mark.parametrize("where", ["new", "parents", "empty", "previous"])
+@pytest.mark.parametrize("where", ["new", "parents", "previous"])
 def test_a_failed_merge_leaves_out_as_it_was(tmp_path, where):
-    """Folders the run made go; a user's (empty, mode 2770) or a previous
-    merge stays, manifest included; the error names the OS's reason."""
+    """Folders the run made go; a previous merge stays, manifest included;
+    the error names the OS's reason. (A user's empty folder: test_publish_kills.)"""
     out = tmp_path / ("a/b/out" if where == "parents" else "out")
-    if where == "empty":
-        out.mkdir()
-        out.chmod(0o2770)
-    elif where == "previous":
-        out.mkdir()
-        with_user_files(out)
-        staged_merge(str(out), writer(OLD))
+    if where == "previous":
+        make_previous(tmp_path)
     before = tree(tmp_path), (out / STATE / MANIFEST).exists() and manifest(out)
     with pytest.raises(OutputError, match="No space left on device.* is as it was"):
         staged_merge(str(out), failing)
@@ -153,16 +147,6 @@ def test_a_failed_merge_leaves_out_as_it_was(tmp_path, where):
         before
     )
     assert not out.exists() or ours_left(out) == []
-
-
-def test_long_odd_names_and_a_symlinked_out(previous, tmp_path):
-    out = tmp_path / ("m é$ 'x\"" + "m" * 230)
-    previous.rename(out)
-    os.symlink(out, tmp_path / "link")
-    user = user_tree(out)
-    staged_merge(str(tmp_path / "link"), writer(NEW))
-    assert (tmp_path / "link").is_symlink() and user_tree(out) == user
-    assert tree(out) == expected(NEW, tmp_path / "want") and ours_left(out) == []
 
 
 def test_the_longest_out_path_is_the_systems_limit_less_the_staging(tmp_path):
@@ -316,35 +300,25 @@ def test_unpublishable_paths_are_refused_before_anything(
 # --- the OS refusing a step: one error that says where OUT stands ------------------
 
 
-def refuse(monkeypatch, name: str, code: int, when) -> None:
-    """output_folder's os.<name> fails with `code` on the call when(path) holds."""
-    real = getattr(os, name)
-
-    def refused(*args, **kwargs):
-        if when(str(args[-1] if name == "replace" else args[0])):
-            raise OSError(code, os.strerror(code), args[-1])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(output_folder.os, name, refused)
-
-
-def manifests(path: str) -> bool:
-    return path.endswith(os.sep + MANIFEST)
+def ends(suffix: str):
+    """when(*args) of raise_on: the step's (last) path ends with suffix."""
+    return lambda *args: str(args[-1]).endswith(suffix)
 
 
 def second_manifest():
     seen = []  # the manifest written after the renames
-    return lambda p: manifests(p) and seen.append(p) or len(seen) > 1
+    manifest = ends(os.sep + MANIFEST)
+    return lambda *a: manifest(*a) and seen.append(a) or len(seen) > 1
 
 
 @pytest.mark.parametrize(
     "name, code, when, state",
     [
-        ("replace", errno.EPERM, manifests, "old"),
-        ("replace", errno.ENOSPC, manifests, "old"),
-        ("fsync", errno.EIO, lambda path: True, "old"),
-        ("unlink", errno.EPERM, lambda p: p.endswith(f"out{os.sep}config.json"), "old"),
-        ("replace", errno.EPERM, lambda p: p.endswith("model.safetensors"), "half"),
+        ("replace", errno.EPERM, ends(os.sep + MANIFEST), "old"),
+        ("replace", errno.ENOSPC, ends(os.sep + MANIFEST), "old"),
+        ("fsync", errno.EIO, lambda *a: True, "old"),
+        ("unlink", errno.EPERM, ends(f"out{os.sep}config.json"), "old"),
+        ("replace", errno.EPERM, ends("model.safetensors"), "half"),
         ("replace", errno.ENOSPC, second_manifest(), "new"),
     ],
     ids=["manifest EPERM", "manifest full", "fsync EIO", "immutable", "a move", "end"],
@@ -355,7 +329,8 @@ def test_a_step_the_os_refuses_says_where_out_stands(
     """The OS refusing the manifest (EPERM for EROFS / EIO), a full disk
     there, OUT made immutable right after it, a rename refused: one
     OutputError that truly says where OUT stands; the next run publishes."""
-    refuse(monkeypatch, name, code, when)
+    error = OSError(code, os.strerror(code))
+    raise_on(monkeypatch, output_folder.os, name, error, when)
     said = {"old": "is as it was", "half": "has no config.json", "new": "holds the new"}
     with pytest.raises(OutputError, match=f"{os.strerror(code)}.*{said[state]}"):
         staged_merge(str(previous), writer(NEW))
@@ -368,14 +343,3 @@ def test_a_step_the_os_refuses_says_where_out_stands(
     staged_merge(str(previous), writer(NEWER))
     assert tree(previous) == expected(NEWER, tmp_path / "newer")
     assert ours_left(previous) == []
-
-
-def test_our_folder_removed_during_the_merge_is_one_error(previous):
-    def removing(staged: str) -> None:
-        shutil.rmtree(previous / STATE)
-        Path(staged, "config.json").write_text("new")
-
-    before = tree(previous)
-    with pytest.raises(OutputError, match="No such file or directory.* is as it was"):
-        staged_merge(str(previous), removing)
-    assert tree(previous) == before and ours_left(previous) == []
