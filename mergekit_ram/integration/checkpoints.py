@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import stat
 import struct
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -40,12 +39,6 @@ if TYPE_CHECKING:
 SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = tuple(f"{name}.index.json" for name in SINGLE_FILES)
 WEIGHT_FILES = tuple(n for pair in zip(SINGLE_FILES, INDEX_FILES) for n in pair)
-# mergekit's TensorWriter names: model.safetensors, model-1.safetensors (not
-# yet finalized), model-00001-of-00002.safetensors, the index; also .bin.
-WRITTEN_WEIGHTS = re.compile(
-    r"(model|pytorch_model)(-\d+(-of-\d+)?)?\.(safetensors|bin)(\.index\.json)?"
-)
-
 FIX = (
     "Copy or download the checkpoint again (or save it again with "
     "save_pretrained); the merge has not started."
