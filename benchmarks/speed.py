@@ -65,6 +65,8 @@ METHODS: dict[str, tuple[str, dict, bool]] = {
     "our ramplus (tensor)": ("ramplus", {"statistics": "tensor"}, True),
 }
 BASELINE = "stock ram"
+# Not a merge: what any mergekit plugin's merge costs at least (`floor`).
+FLOOR = "floor"
 
 # Bytes per element of the bf16 checkpoints and merge outputs.
 BF16_BYTES = 2
@@ -312,6 +314,47 @@ def output_digest(folder: str) -> str:
     return digest.hexdigest()
 
 
+def floor(config: str, out: str) -> None:
+    """The least a mergekit plugin's merge of `config` can cost: the imports
+    it cannot avoid (torch, safetensors, mergekit's merge and planner), every
+    input tensor read once (through safetensors' map, as mergekit reads, each
+    copied once so every byte is read) and an output of the base's shapes and
+    dtypes written once with safetensors, in shards of mergekit's default
+    size. No arithmetic, no checks, no progress bar."""
+    import mergekit.merge  # noqa: F401
+    import mergekit.plan  # noqa: F401
+    import yaml
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with open(config) as handle:
+        document = yaml.safe_load(handle)
+    models = [document["base_model"], *(m["model"] for m in document["models"])]
+    handles, names = {}, []
+    for model in models:
+        with open(os.path.join(model, "model.safetensors.index.json")) as handle:
+            weight_map = json.load(handle)["weight_map"]
+        names = names or list(weight_map)  # the base's
+        for name, file in weight_map.items():
+            path = os.path.join(model, file)
+            if path not in handles:
+                handles[path] = safe_open(path, "pt")
+            handles[model, name] = handles[path]
+    os.makedirs(out)
+    shard: dict = {}
+    size = count = 0
+    for name in names:
+        tensors = [handles[model, name].get_tensor(name).clone() for model in models]
+        output = tensors[0]
+        if shard and size + output.nbytes > 5_000_000_000:
+            count += 1
+            save_file(shard, os.path.join(out, f"model-{count}.safetensors"))
+            shard, size = {}, 0
+        shard[name] = output
+        size += output.nbytes
+    save_file(shard, os.path.join(out, f"model-{count + 1}.safetensors"))
+
+
 def run_once(
     name: str,
     paths: dict[str, str],
@@ -322,21 +365,23 @@ def run_once(
 ) -> Run:
     """One whole `mergekit-yaml` process under /usr/bin/time -v; `tree`: a
     checkout whose mergekit_ram is imported instead of the installed one."""
-    method, parameters, ours = METHODS[name]
+    method, parameters, ours = METHODS.get(name, ("ram", {}, False))
     config = os.path.join(workdir, "config.yml")
     with open(config, "w") as handle:
         handle.write(config_yaml(method, parameters, paths))
     out = os.path.join(workdir, "out")
     shutil.rmtree(out, ignore_errors=True)
-    command = [
-        "/usr/bin/time",
-        "-v",
-        os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"),
-        config,
-        out,
-        "--no-write-model-card",
-        "--no-copy-tokenizer",
-    ] + (["--cuda"] if cuda else [])
+    if name == FLOOR:
+        command = [sys.executable, os.path.abspath(__file__), "--floor", config, out]
+    else:
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "mergekit-yaml"),
+            config,
+            out,
+            "--no-write-model-card",
+            "--no-copy-tokenizer",
+        ] + (["--cuda"] if cuda else [])
+    command = ["/usr/bin/time", "-v", *command]
     env = dict(
         os.environ, HF_HUB_OFFLINE="1", MERGEKIT_RAM_AUTOLOAD="1" if ours else "0"
     )
@@ -414,18 +459,26 @@ def variants(
                 "checkout of this repository (e.g. git worktree add /tmp/old HEAD~1)"
             )
         for method in compared or methods:
-            if METHODS[method][2]:
+            if method in METHODS and METHODS[method][2]:
                 rows[f"{method} [{label}]"] = (method, path)
     return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--floor"]:  # the floor's own process (run_once)
+        floor(argv[1], argv[2])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["135m"], choices=list(SIZES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--agents", type=int, nargs="+", default=[3])
     parser.add_argument(
-        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS)
+        "--methods",
+        nargs="+",
+        default=[*METHODS, FLOOR],
+        choices=[*METHODS, FLOOR],
+        help=f"which rows to run ({FLOOR!r}: no merge, the least one can cost)",
     )
     parser.add_argument("--cuda", action="store_true", help="pass --cuda to merges")
     parser.add_argument(
