@@ -9,8 +9,8 @@ thread, where mergekit's executor runs every task; what no stage claims is
 the last row, and the whole process's wall (interpreter start and exit
 included) is measured from outside.
 
-    python benchmarks/account.py CONFIG OUT [mergekit-yaml options]
-    python benchmarks/speed.py ... --account    # the same, per method, in its table
+    python benchmarks/account.py OUT ram.yml ramplus.yml --rounds 3 \\
+        --compare before=/path/to/older/checkout --options "--no-copy-tokenizer"
 
 Stages of the statistics pass and of the merge are told apart by whether
 `integration.statistics.collect_planned` is running.
@@ -18,9 +18,13 @@ Stages of the statistics pass and of the merge are told apart by whether
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
+import shlex
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +51,8 @@ ROWS = (
     ("ours: statistics file, card", "ram_statistics.json and the model card"),
     ("ours: publishing", "lock, staging, moving the files into OUT"),
     ("mergekit: rest of run_merge", "its executor loop, config and tokenizer copies"),
-    ("python: start, exit, CLI", "interpreter start-up and exit, click, the rest"),
+    ("mergekit: CLI, the rest", "click, reading the YAML, what no row claims"),
+    ("python: start and exit", "interpreter start-up and exit (modules torn down)"),
 )
 
 
@@ -128,14 +133,15 @@ def _install_timers() -> None:
     wrap = TIMERS.wrap
     # Our run_merge holds mergekit's in its closure (install's one change).
     guarded = merge.run_merge
+    ours = getattr(guarded, "__mergekit_ram__", None)  # None: autoload off
     for cell in guarded.__closure__ or ():
-        if cell.cell_contents is guarded.__mergekit_ram__:
+        if cell.cell_contents is ours:
             cell.cell_contents = TIMERS.timed(
                 "mergekit: rest of run_merge", cell.cell_contents
             )
     from mergekit.scripts import run_yaml
 
-    wrap(run_yaml, "run_merge", "ours: publishing")
+    wrap(run_yaml, "run_merge", "ours: publishing" if ours else ROWS[-3][0])
     wrap(publishing, "staged_merge", "ours: publishing")
     wrap(output_folder, "_publish", "ours: publishing")
     wrap(LoaderCache, "get", "mergekit: loader cache")
@@ -172,31 +178,44 @@ def _install_timers() -> None:
     wrap(merge, "generate_card", "ours: statistics file, card")
 
 
-def account(arguments: Sequence[str]) -> dict[str, float]:
-    """Seconds per row of one merge, run in a child process; the whole
-    process's wall is 'wall'."""
+def account(
+    config: str, out: str, options: Sequence[str], tree: str | None = None
+) -> dict[str, float]:
+    """Seconds per row of one merge, run in a child process (`tree`: a
+    checkout whose mergekit_ram is imported instead); 'wall' is the whole
+    process's, measured from outside."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(tree), *filter(None, [env.get("PYTHONPATH")])]
+        )
+    shutil.rmtree(out, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="account-") as folder:
         result = os.path.join(folder, "seconds.json")
         command = [sys.executable, os.path.abspath(__file__), "--child", result]
         start = time.perf_counter()
-        subprocess.run([*command, *arguments], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [*command, config, out, "--quiet", *options],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
         wall = time.perf_counter() - start
         with open(result) as handle:
             seconds = json.load(handle)
-    seconds.pop("total (in process)")
-    seconds["python: start, exit, CLI"] = wall - sum(seconds.values())
+    shutil.rmtree(out, ignore_errors=True)
+    total = seconds.pop("total (in process)")
+    seconds["mergekit: CLI, the rest"] = total - sum(seconds.values())
+    seconds["python: start and exit"] = wall - total
     seconds["wall"] = wall
     return seconds
 
 
 def table(columns: dict[str, list[dict[str, float]]]) -> list[str]:
     """Markdown: median seconds per row, one column per label."""
-    import statistics
-
-    labels = list(columns)
     lines = [
-        "| stage | " + " | ".join(f"{label} s" for label in labels) + " | what |",
-        "|---|" + "---|" * len(labels) + "---|",
+        "| stage | " + " | ".join(f"{label} s" for label in columns) + " | what |",
+        "|---|" + "---|" * len(columns) + "---|",
     ]
     for row, what in (*ROWS, ("wall", "the whole process, measured outside it")):
         cells = [
@@ -213,10 +232,38 @@ def main(argv: Sequence[str]) -> int:
     if argv[:1] == ["--child"]:
         child(list(argv[2:]), argv[1])
         return 0
-    if len(argv) < 2:
-        print(__doc__, file=sys.stderr)
-        return 2
-    print("\n".join(table({"merge": [account(argv)]})))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="the output folder (removed after each run)")
+    parser.add_argument("configs", nargs="+", help="one column per configuration")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also run each configuration with another checkout's mergekit_ram",
+    )
+    parser.add_argument(
+        "--options", default="", help="more mergekit-yaml options, one string"
+    )
+    args = parser.parse_args(argv)
+    trees = {"": None, **dict(entry.split("=", 1) for entry in args.compare)}
+    columns: dict[str, list[dict[str, float]]] = {
+        f"{os.path.splitext(os.path.basename(c))[0]}{f' [{t}]' if t else ''}": []
+        for c in args.configs
+        for t in trees
+    }
+    for _ in range(args.rounds):  # interleaved
+        for config in args.configs:
+            for label, tree in trees.items():
+                name = os.path.splitext(os.path.basename(config))[0]
+                run = account(config, args.out, shlex.split(args.options), tree)
+                columns[f"{name}{f' [{label}]' if label else ''}"].append(run)
+                print(f"{name} [{label}] {run['wall']:.1f} s", file=sys.stderr)
+    print(
+        f"`python benchmarks/account.py {shlex.join(argv)}`, medians of {args.rounds}"
+    )
+    print("\n".join(table(columns)))
     return 0
 
 
