@@ -141,7 +141,11 @@ def _install_timers() -> None:
             )
     from mergekit.scripts import run_yaml
 
-    wrap(run_yaml, "run_merge", "ours: publishing" if ours else ROWS[-3][0])
+    wrap(
+        run_yaml,
+        "run_merge",
+        "ours: publishing" if ours else "mergekit: rest of run_merge",
+    )
     wrap(publishing, "staged_merge", "ours: publishing")
     wrap(output_folder, "_publish", "ours: publishing")
     wrap(LoaderCache, "get", "mergekit: loader cache")
@@ -207,8 +211,7 @@ def account(
     total = seconds.pop("total (in process)")
     seconds["mergekit: CLI, the rest"] = total - sum(seconds.values())
     seconds["python: start and exit"] = wall - total
-    seconds["wall"] = wall
-    return seconds
+    return {**{row: seconds.get(row, 0.0) for row, _ in ROWS}, "wall": wall}
 
 
 def table(columns: dict[str, list[dict[str, float]]]) -> list[str]:
@@ -219,7 +222,7 @@ def table(columns: dict[str, list[dict[str, float]]]) -> list[str]:
     ]
     for row, what in (*ROWS, ("wall", "the whole process, measured outside it")):
         cells = [
-            f"{statistics.median(run.get(row, 0.0) for run in runs):.2f}"
+            f"{statistics.median(run[row] for run in runs):.2f}"
             for runs in columns.values()
         ]
         if row == "wall":

@@ -1,6 +1,6 @@
-"""benchmarks/speed.py, one tiny end-to-end run (slow): every method's row,
-a --compare row from a checkout (this one: the same bytes), a user's folder
-in the work folder left alone."""
+"""benchmarks/speed.py, one tiny end-to-end run (slow): every method's row
+and the floor's, a --compare row from a checkout (this one: the same bytes),
+a user's folder in the work folder left alone."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_tiny_benchmark_runs_end_to_end(tmp_path):
     )
     assert code == 0
     text = output.read_text()
-    for name in [*speed.METHODS, "our ram [again]"]:
+    for name in [*speed.METHODS, speed.FLOOR, "our ram [again]"]:
         assert f"| {name} |" in text
     digests = dict(
         re.findall(r"^\| (our ram(?: \[again\])?) \|.*`(\w+)` \|$", text, re.M)
