@@ -42,6 +42,7 @@ from typing import Any
 import immutables
 import pydantic_core
 import torch
+import tqdm
 from mergekit.architecture.conversion import (
     _expanded_target_keys,
     _iter_transform_matches,
@@ -204,7 +205,7 @@ def stacked_sources(model_type: str | None, keys: Iterable[str]) -> dict:
 class Stacked:
     """Planned groups that mergekit builds by stacking stored tensors, read as
     those stored tensors, one group of them (the same name in every model) at
-    a time, each file opened once (and closed with `files`).
+    a time.
 
     Counting them so is exact only where every model's tensor is the same
     rearrangement of the same stored tensors: each model holds them under the
@@ -212,16 +213,15 @@ class Stacked:
     every group mergekit reads by name) goes through mergekit's load.
     """
 
-    def __init__(self, files: ExitStack) -> None:
-        self.files = files
-        self.handles: dict[str, Any] = {}
+    def __init__(self, headers: ExitStack) -> None:
+        # Files opened to read their headers (closed with `headers`).
+        self.headers, self.handles = headers, {}
         self.sources: dict[Any, dict] = {}
 
-    def _handle(self, loader: Any, key: str) -> Any:
-        path = os.path.join(loader.index.base_path, loader.index.tensor_paths[key])
+    def _header(self, path: str) -> Any:
         if path not in self.handles:
             safetensors = path.endswith(".safetensors")
-            opened = safetensors and self.files.enter_context(safe_open(path, "pt"))
+            opened = safetensors and self.headers.enter_context(safe_open(path, "pt"))
             self.handles[path] = opened or None
         return self.handles[path]
 
@@ -243,7 +243,9 @@ class Stacked:
             found = self.sources[load.model].get(load.tensor)
             if found is None or keys not in (None, found):
                 return None
-            keys, handles = found, [self._handle(loader, key) for key in found]
+            keys, index = found, loader.index
+            files = [os.path.join(index.base_path, index.tensor_paths[k]) for k in keys]
+            handles = [self._header(file) for file in files]
             if None in handles:
                 return None
             slices = [h.get_slice(k) for h, k in zip(handles, keys)]
@@ -251,14 +253,24 @@ class Stacked:
             if len(layouts) > 1 or shape not in (None, next(iter(layouts))[0]):
                 return None
             shape = next(iter(layouts))[0]
-            reads[load.model] = (handles, load.dtype and dtype_from_name(load.dtype))
+            reads[load.model] = (files, load.dtype and dtype_from_name(load.dtype))
         return (keys, reads) if keys else None
 
     @staticmethod
-    def read(index: int, key: str, reads: dict) -> dict:
-        """Every model's stored tensor `key`, read as mergekit's load casts."""
-        tensors = {m: h[index].get_tensor(key) for m, (h, _) in reads.items()}
-        return {m: t.to(reads[m][1] or t.dtype) for m, t in tensors.items()}
+    def read(keys: list[str], reads: dict) -> Iterable[tuple[str, dict]]:
+        """Each stored name with every model's tensor of that name, read as
+        mergekit's load casts; the group's files are open until the last."""
+        with ExitStack() as files:
+            handles: dict[str, Any] = {}
+            for index, key in enumerate(keys):
+                tensors = {}
+                for model, (paths, dtype) in reads.items():
+                    path = paths[index]
+                    if path not in handles:
+                        handles[path] = files.enter_context(safe_open(path, "pt"))
+                    tensor = handles[path].get_tensor(key)
+                    tensors[model] = tensor.to(dtype or tensor.dtype)
+                yield key, tensors
 
 
 class BackwardExecutor(Executor):
@@ -287,7 +299,7 @@ class BackwardExecutor(Executor):
         headers: dict[str, dict[str, tuple[int, int]]] = {}
         skip = set(skip)
         for target in reversed(targets):
-            if target.task() in skip:  # counted elsewhere, in the same walk
+            if target.task() in skip:  # read by the caller
                 continue
             needed, pending = [], [target]
             while pending:
@@ -331,37 +343,36 @@ def collect_planned(
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
     math_device = torch.device(options.device or "cpu")
-    with ExitStack() as files:
-        stacked = Stacked(files)
+    with ExitStack() as headers:
+        stacked = Stacked(headers)
         parts = {}
         for gather in by_input if not inner_products else ():
             if found := stacked.parts(gather):
                 parts[gather] = found
-        executor = BackwardExecutor(
-            skip=parts,
-            targets=list(by_input),
-            math_device=math_device,
-            storage_device=math_device if options.low_cpu_memory else "cpu",
-        )
-        # The next group's bytes are read ahead, from a helper thread, while
-        # one is counted.
-        ahead = [*executor.ahead, []]
-        with ThreadPoolExecutor(1, thread_name_prefix="readahead") as worker:
-            worker.submit(read_ahead, ahead[0])
-            groups = executor.run(quiet=options.quiet, desc=desc)
-            for (gather, tensors), upcoming in zip(groups, ahead[1:]):
-                worker.submit(read_ahead, upcoming)
-                for task in by_input[gather]:
-                    _count_task(stats, task, tensors, math_device)
-                del tensors
-        # mergekit schedules groups it builds by conversion first: walked
-        # backwards, they come last.
-        for gather in reversed([g for g in executor.forward if g in parts]):
-            keys, reads = parts[gather]
-            for index, key in enumerate(keys):
-                tensors = Stacked.read(index, key, reads)
-                for task in by_input[gather]:
-                    _count_task(stats, task, tensors, math_device, key)
+    executor = BackwardExecutor(
+        skip=parts,
+        targets=list(by_input),
+        math_device=math_device,
+        storage_device=math_device if options.low_cpu_memory else "cpu",
+    )
+    # The next group's bytes are read ahead, from a helper thread, while one
+    # is counted.
+    ahead = [*executor.ahead, []]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="readahead") as worker:
+        worker.submit(read_ahead, ahead[0])
+        groups = executor.run(quiet=options.quiet, desc=desc)
+        for (gather, tensors), upcoming in zip(groups, ahead[1:]):
+            worker.submit(read_ahead, upcoming)
+            for task in by_input[gather]:
+                _count_task(stats, task, tensors, math_device)
+            del tensors
+    # mergekit schedules the groups it builds by conversion first: walked
+    # backwards, they come last.
+    stored = [g for g in reversed(executor.forward) if g in parts]
+    for gather in tqdm.tqdm(stored, disable=options.quiet, desc=desc):
+        for key, tensors in Stacked.read(*parts[gather]):
+            for task in by_input[gather]:
+                _count_task(stats, task, tensors, math_device, key)
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(
