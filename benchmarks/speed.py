@@ -1,7 +1,8 @@
 """Wall time and peak memory of our merges against stock mergekit's, side by side.
 
-Builds deterministic bf16 Llama checkpoints (random base, sparse "RL-like"
-agents changing about 3 / 46 / 54 % of the elements, like the paper's), then
+Builds deterministic bf16 Llama checkpoints, or for `moe` a Qwen3-MoE one
+saved one expert per tensor (random base, sparse "RL-like" agents changing
+about 3 / 46 / 54 % of the elements, like the paper's), then
 runs the real `mergekit-yaml` once per method per round, methods interleaved,
 each under `/usr/bin/time -v`:
 
@@ -17,6 +18,7 @@ before every run, so each starts cold, as on inputs larger than memory.
 
     python benchmarks/speed.py --sizes 135m 1b --rounds 3
     python benchmarks/speed.py --sizes 135m --agents 6 --rounds 3
+    python benchmarks/speed.py --sizes moe --rounds 1   # per-expert Qwen3-MoE
     python benchmarks/speed.py --sizes 3b --rounds 3 --workdir /big/disk \
         --drop-caches --methods 'stock ram' 'our ram' 'our ramplus (global)'
 """

@@ -28,8 +28,9 @@ HEAD = HIDDEN // HEADS
 # nothing in a tensor: unchanged experts).
 DENSITIES = (0.05, 0.3, 0.6)
 
-# model type: (config, stored name of expert e's (gate, up, down) and of the
-# router, their planned prefix, extra per-layer tensors)
+# model type: ((config class, architecture), the stored names of expert e's
+# gate, up and down projections and of the router, "|"-separated, and the
+# layer's other tensors of that type)
 KINDS = {
     "mixtral": (
         (MixtralConfig, "MixtralForCausalLM"),
