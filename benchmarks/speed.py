@@ -1,7 +1,8 @@
 """Wall time and peak memory of our merges against stock mergekit's, side by side.
 
-Builds deterministic bf16 Llama checkpoints (random base, sparse "RL-like"
-agents changing about 3 / 46 / 54 % of the elements, like the paper's), then
+Builds deterministic bf16 Llama checkpoints, or for `moe` a Qwen3-MoE one
+saved one expert per tensor (random base, sparse "RL-like" agents changing
+about 3 / 46 / 54 % of the elements, like the paper's), then
 runs the real `mergekit-yaml` once per method per round, methods interleaved,
 each under `/usr/bin/time -v`:
 
@@ -17,6 +18,7 @@ before every run, so each starts cold, as on inputs larger than memory.
 
     python benchmarks/speed.py --sizes 135m 1b --rounds 3
     python benchmarks/speed.py --sizes 135m --agents 6 --rounds 3
+    python benchmarks/speed.py --sizes moe --rounds 1   # per-expert Qwen3-MoE
     python benchmarks/speed.py --sizes 3b --rounds 3 --workdir /big/disk \
         --drop-caches --methods 'stock ram' 'our ram' 'our ramplus (global)'
 """
@@ -27,6 +29,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -49,6 +52,12 @@ SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
     # Llama-3.2-3B's body and vocabulary, untied (3.6 B parameters, 7.2 GB a
     # model in bf16): base + 3 agents exceed a 24 GB machine's memory.
     "3b": (3072, 8192, 28, 24, 8, 128256),
+}
+# Qwen3-MoE shapes saved one tensor per expert (mergekit fuses them as it
+# reads): hidden, expert intermediate, layers, heads, kv heads, vocabulary,
+# experts. 128 experts x 12 layers: 4,719 checkpoint tensors.
+MOE_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
+    "moe": (128, 64, 12, 4, 2, 4096, 128),
 }
 
 # Fractions of elements each agent changes (the paper's 3.2 / 46.2 / 54.3 %),
@@ -89,14 +98,7 @@ class Run:
 
 
 def parameter_count(size: str) -> int:
-    hidden, inter, layers, heads, kv, vocab = SIZES[size]
-    head = hidden // heads
-    attention = 2 * hidden * hidden + 2 * hidden * kv * head
-    return (
-        2 * vocab * hidden
-        + hidden
-        + layers * (attention + 3 * hidden * inter + 2 * hidden)
-    )
+    return sum(math.prod(shape) for _name, shape in tensor_shapes(size))
 
 
 def disk_needed(sizes: Sequence[str], agents: Sequence[int], root: str) -> int:
@@ -154,8 +156,9 @@ def agent_densities(count: int) -> list[float]:
 
 
 def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of a Llama checkpoint of this size."""
-    hidden, inter, layers, heads, kv, vocab = SIZES[size]
+    """(name, shape) of every tensor of a Llama (or, for a MoE size, a
+    per-expert Qwen3-MoE) checkpoint of this size."""
+    hidden, inter, layers, heads, kv, vocab, *moe = {**SIZES, **MOE_SIZES}[size]
     head = hidden // heads
     yield "model.embed_tokens.weight", (vocab, hidden)
     for i in range(layers):
@@ -166,16 +169,41 @@ def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{p}.self_attn.v_proj.weight", (kv * head, hidden)
         yield f"{p}.self_attn.o_proj.weight", (hidden, heads * head)
         yield f"{p}.post_attention_layernorm.weight", (hidden,)
-        yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
-        yield f"{p}.mlp.up_proj.weight", (inter, hidden)
-        yield f"{p}.mlp.down_proj.weight", (hidden, inter)
+        if moe:
+            yield f"{p}.self_attn.q_norm.weight", (head,)
+            yield f"{p}.self_attn.k_norm.weight", (head,)
+            yield f"{p}.mlp.gate.weight", (moe[0], hidden)
+        experts = (
+            [f"{p}.mlp.experts.{e}" for e in range(moe[0])] if moe else [p + ".mlp"]
+        )
+        for e in experts:
+            yield f"{e}.gate_proj.weight", (inter, hidden)
+            yield f"{e}.up_proj.weight", (inter, hidden)
+            yield f"{e}.down_proj.weight", (hidden, inter)
     yield "model.norm.weight", (hidden,)
     yield "lm_head.weight", (vocab, hidden)
 
 
 def _write_config(size: str, path: str) -> None:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
+    if size in MOE_SIZES:
+        hidden, inter, layers, heads, kv, vocab, experts = MOE_SIZES[size]
+        Qwen3MoeConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=hidden // heads,
+            num_experts=experts,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            architectures=["Qwen3MoeForCausalLM"],
+            dtype="bfloat16",
+        ).save_pretrained(path)
+        return
     hidden, inter, layers, heads, kv, vocab = SIZES[size]
     LlamaConfig(
         vocab_size=vocab,
@@ -244,7 +272,7 @@ def build_models(size: str, agents: int, root: str, seed: int = 0) -> dict[str, 
     for n in names:
         with open(os.path.join(paths[n], "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": index[n]}, f)
-        _save_tokenizer(paths[n], SIZES[size][5])
+        _save_tokenizer(paths[n], {**SIZES, **MOE_SIZES}[size][5])
     open(done, "w").close()
     return paths
 
@@ -470,7 +498,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor(argv[1], argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["135m"], choices=list(SIZES))
+    parser.add_argument(
+        "--sizes", nargs="+", default=["135m"], choices=[*SIZES, *MOE_SIZES]
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--agents", type=int, nargs="+", default=[3])
     parser.add_argument(

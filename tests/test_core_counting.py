@@ -110,6 +110,34 @@ def test_totals_and_per_tensor_equal_reference(seed):
     assert stats.num_tensors == len(base)
 
 
+def test_tensor_counted_in_parts_equals_counted_whole():
+    # A fused tensor counted as the stored tensors it is made of (its parts:
+    # here each tensor's rows): the same entry, totals and sizes as whole.
+    base, tasks = state_dicts(PROFILES, seed=2)
+    whole = collected(base, tasks)
+    parts = OverlapStatistics(epsilon=EPSILON)
+    for name in base:
+        for row, b in enumerate(base[name].split(2)):
+            group = {i: t[name].split(2)[row] for i, t in zip(IDS, tasks)}
+            parts.add(name, b, group, part=f"{name}.{row}")
+    assert (parts.num_tensors, parts.num_elements) == (
+        whole.num_tensors,
+        whole.num_elements,
+    )
+    assert parts.tasks == whole.tasks
+    assert parts.per_tensor == whole.per_tensor
+
+    name = "head"  # a part again, whole after parts, a part after whole
+    group = {i: t[name] for i, t in zip(IDS, tasks)}
+    for stats, part in [(parts, f"{name}.0"), (parts, None), (whole, "head.9")]:
+        with pytest.raises(ValueError, match=f"{name!r} counted twice"):
+            stats.add(name, base[name], group, part=part)
+    assert parts.tasks == whole.tasks and parts.num_tensors == len(base)
+    summing = OverlapStatistics(epsilon=EPSILON, inner_products=True)
+    with pytest.raises(ValueError, match="whole tensors"):
+        summing.add(name, base[name], group, part="head.0")
+
+
 @pytest.mark.parametrize(
     "rule",
     [

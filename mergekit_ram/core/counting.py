@@ -166,12 +166,24 @@ class OverlapStatistics:
     # Also sum inner products per tensor (Products) into `products`.
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
+    # Per tensor, the parts counted (None: the whole tensor).
+    parts: dict[str, set[str | None]] = field(default_factory=dict, repr=False)
 
-    def add(self, name: str, base: Tensor, tasks: Group) -> bool:
+    def add(
+        self, name: str, base: Tensor, tasks: Group, part: str | None = None
+    ) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
-        whether every task vector was finite (`core.kernel.overlaps`)."""
-        if name in self.per_tensor:
+        whether every task vector was finite (`core.kernel.overlaps`).
+
+        `part`: the group is one named part of tensor `name` (a stored tensor
+        of a fused one: each element of it is one element of `name`), counted
+        into `name`'s entry; the parts of a tensor add up to its counts."""
+        done = self.parts.setdefault(name, set())
+        if None in done or part in done or (part is None and done):
             raise ValueError(f"tensor {name!r} counted twice")
+        if part is not None and self.inner_products:
+            raise ValueError("inner products are summed over whole tensors only")
+        done.add(part)
         ids, summing = list(tasks), self.inner_products
         each = partial(inner_products, epsilon=self.epsilon) if summing else None
         chunk = PRODUCT_CHUNK if summing else COUNT_CHUNK
@@ -181,14 +193,13 @@ class OverlapStatistics:
             n = len(ids)
             found = sum(sums, torch.zeros((2 * n + 1, n), dtype=torch.float64)).tolist()
             self.products[name] = Products(ids, found[:n], found[n : 2 * n], found[-1])
-        local = {}
+        local = self.per_tensor.setdefault(name, {})
         for s, (task_id, row) in enumerate(zip(ids, rows)):
             shared_with = {o: pairs[s][t] for t, o in enumerate(ids) if t != s}
-            local[task_id] = TaskCounts(list(row), base.numel(), shared_with)
-        self.per_tensor[name] = local
-        for task_id, counts in local.items():
+            counts = TaskCounts(list(row), base.numel(), shared_with)
+            local.setdefault(task_id, TaskCounts()).add(counts)
             self.tasks.setdefault(task_id, TaskCounts()).add(counts)
-        self.num_tensors += 1
+        self.num_tensors += len(done) == 1
         self.num_elements += base.numel()
         return finite
 

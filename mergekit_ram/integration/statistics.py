@@ -13,8 +13,18 @@ model is finalized, in the staging folder `publishing` publishes. The model
 card's section on these statistics is `analysis.card`'s. `mergekit-ram
 analyze` counts through `count_planned` too.
 
+A planned tensor that mergekit builds by stacking stored tensors (the
+experts of a MoE checkpoint saved one per tensor, fused as read) is counted
+from those stored tensors instead (`Stacked`): its counts are sums over its
+elements, each of which is one stored element, so they are the fused
+tensor's, without mergekit's conversion, which walks every checkpoint key
+for every fused tensor. analyze's inner products keep mergekit's path (their
+float sums would run in another order).
+
 mergekit names read here that it does not publish: `MergePlanner._tensors`
-(the planned tasks), `LoadTensor._resolve_name` (which tensor a load reads).
+(the planned tasks), `LoadTensor._resolve_name` (which tensor a load reads),
+`architecture.conversion._iter_transform_matches` and `_expanded_target_keys`
+(which stored tensors a conversion takes, and what it names them).
 """
 
 from __future__ import annotations
@@ -24,17 +34,31 @@ import logging
 import math
 import os
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
 import immutables
 import pydantic_core
 import torch
+import tqdm
+from mergekit.architecture.conversion import (
+    _expanded_target_keys,
+    _iter_transform_matches,
+)
+from mergekit.common import dtype_from_name
 from mergekit.graph import ExecutionSchedule, Executor, Task, TaskHandle
-from mergekit.io.tasks import FinalizeModel, LoaderCache, LoadTensor
+from mergekit.io.tasks import FinalizeModel, GatherTensors, LoaderCache, LoadTensor
 from mergekit.plan import MergePlanner
 from pydantic import PrivateAttr
+from safetensors import safe_open
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightRenaming,
+)
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
@@ -108,16 +132,22 @@ Span = tuple[str, int, int]
 
 
 def _count_task(
-    stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
+    stats: OverlapStatistics,
+    task: Any,
+    tensors: Mapping,
+    device: torch.device,
+    part: str | None = None,
 ) -> None:
-    """Check one planned merge task's gathered inputs, then count them."""
+    """Check one planned merge task's gathered inputs (or the stored tensor
+    `part` of them, which the checks name), then count them."""
     name = task.output_weight.name
+    label = part or name
     group = group_tensors(
         tensors,
         task.base_model,
         task.model_order,
         device,
-        name=name,
+        name=label,
         vocabulary_axis=task.output_weight.vocabulary_axis,
     )
     if group is None:
@@ -125,13 +155,122 @@ def _count_task(
     base, inputs = group
     nonfinite = task.parameters.get("nonfinite", "refuse")
     if nonfinite != "refuse" or not inputs:
-        stats.add(
-            name, base, finite_inputs(name, task.base_model, base, inputs, nonfinite)
-        )
+        kept = finite_inputs(label, task.base_model, base, inputs, nonfinite)
+        stats.add(name, base, kept, part)
     # Refusing, the count's own sums of τ tell finite inputs apart; only a
     # group they doubt is checked element by element (and refused there).
-    elif not stats.add(name, base, inputs):
-        finite_inputs(name, task.base_model, base, inputs, nonfinite)
+    elif not stats.add(name, base, inputs, part):
+        finite_inputs(label, task.base_model, base, inputs, nonfinite)
+
+
+# Conversions that only stack (and concatenate) their sources: every stored
+# element lands in exactly one place of the one tensor they build.
+STACKING = ([MergeModulelist], [MergeModulelist, Concatenate])
+
+
+def stacked_sources(model_type: str | None, keys: Iterable[str]) -> dict:
+    """Per tensor that mergekit's `convert_checkpoint_tensors` builds from a
+    checkpoint holding `keys` by renaming, stacking or concatenating stored
+    tensors (transformers' mapping for `model_type`), those stored tensors'
+    names; a tensor any other conversion builds is left out. One walk over the
+    keys per transform, with the same matching, for every target at once."""
+    transforms = get_checkpoint_conversion_mapping(model_type) if model_type else []
+    available = {key: key for key in keys}  # a name -> the stored tensor's
+    found: dict[str, list[str] | None] = {}
+    for transform in transforms or []:
+        renaming = isinstance(transform, WeightRenaming)
+        matched: dict[str, list[str]] = {}
+        for match in _iter_transform_matches(transform, dict(available)):
+            if renaming:
+                available[match.renamed_key] = match.source_value
+                continue
+            for target in _expanded_target_keys(
+                match.renamed_key, transform.target_patterns
+            ):
+                matched.setdefault(target, []).append(match.source_value)
+        operations = [type(op) for op in getattr(transform, "operations", [])]
+        stacking = len(transform.target_patterns) == 1 and (
+            operations == STACKING[1]
+            or (operations == STACKING[0] and len(transform.source_patterns) == 1)
+        )
+        # The first converter taking a target builds it (or mergekit's path).
+        for target, sources in matched.items():
+            whole = stacking and len(set(sources)) == len(sources)
+            found.setdefault(target, sources if whole else None)
+    for name, key in available.items():
+        found.setdefault(name, [key])
+    return {name: sources for name, sources in found.items() if sources}
+
+
+class Stacked:
+    """Planned groups that mergekit builds by stacking stored tensors, read as
+    those stored tensors, one group of them (the same name in every model) at
+    a time.
+
+    Counting them so is exact only where every model's tensor is the same
+    rearrangement of the same stored tensors: each model holds them under the
+    same names, all with one shape, in safetensors files. Anything else (and
+    every group mergekit reads by name) goes through mergekit's load.
+    """
+
+    def __init__(self, headers: ExitStack) -> None:
+        # Files opened to read their headers (closed with `headers`).
+        self.headers, self.handles = headers, {}
+        self.sources: dict[Any, dict] = {}
+
+    def _header(self, path: str) -> Any:
+        if path not in self.handles:
+            safetensors = path.endswith(".safetensors")
+            opened = safetensors and self.headers.enter_context(safe_open(path, "pt"))
+            self.handles[path] = opened or None
+        return self.handles[path]
+
+    def parts(self, gather: Task) -> tuple[list[str], dict] | None:
+        """(stored names, {model: (their files, dtype to read as)}) of a
+        planned group made by stacking, else None."""
+        if type(gather) is not GatherTensors:
+            return None
+        keys, shape, reads = None, None, {}
+        for load in gather.arguments().values():
+            loader = LoaderCache().get(load.model)
+            if load._resolve_name(loader) is not None:
+                return None
+            if load.model not in self.sources:
+                remote = LoaderCache().trust_remote_code
+                model_type = load.model.config(trust_remote_code=remote).model_type
+                paths = loader.index.tensor_paths
+                self.sources[load.model] = stacked_sources(model_type, paths)
+            found = self.sources[load.model].get(load.tensor)
+            if found is None or keys not in (None, found):
+                return None
+            keys, index = found, loader.index
+            files = [os.path.join(index.base_path, index.tensor_paths[k]) for k in keys]
+            handles = [self._header(file) for file in files]
+            if None in handles:
+                return None
+            slices = [h.get_slice(k) for h, k in zip(handles, keys)]
+            layouts = {(tuple(s.get_shape()), s.get_dtype()) for s in slices}
+            if len(layouts) > 1 or shape not in (None, next(iter(layouts))[0]):
+                return None
+            shape = next(iter(layouts))[0]
+            reads[load.model] = (files, load.dtype and dtype_from_name(load.dtype))
+        return (keys, reads) if keys else None
+
+    @staticmethod
+    def read(keys: list[str], reads: dict) -> Iterable[tuple[str, dict]]:
+        """Each stored name with every model's tensor of that name, read as
+        mergekit's load casts; the group's files are open until the last."""
+        with ExitStack() as files:
+            handles: dict[str, Any] = {}
+            for index, key in enumerate(keys):
+                tensors = {}
+                for model, (paths, dtype) in reads.items():
+                    path = paths[index]
+                    if path not in handles:
+                        handles[path] = files.enter_context(safe_open(path, "pt"))
+                    tensor = handles[path].get_tensor(key)
+                    tensors[model] = tensor.to(dtype or tensor.dtype)
+                yield key, tensors
 
 
 class BackwardExecutor(Executor):
@@ -149,7 +288,7 @@ class BackwardExecutor(Executor):
     use, so about one group stays resident.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, skip: Iterable[Task] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
         position = {handle: index for index, handle in enumerate(self.schedule.tasks)}
         targets = sorted(self.targets, key=position.__getitem__)
@@ -158,7 +297,10 @@ class BackwardExecutor(Executor):
         order: list[TaskHandle] = []
         placed: set[TaskHandle] = set()
         headers: dict[str, dict[str, tuple[int, int]]] = {}
+        skip = set(skip)
         for target in reversed(targets):
+            if target.task() in skip:  # read by the caller
+                continue
             needed, pending = [], [target]
             while pending:
                 handle = pending.pop()
@@ -193,6 +335,7 @@ def collect_planned(
     `nonfinite` rule), so bad inputs fail here, before the merge writes
     anything. `inner_products`: also sum the task vectors' inner products
     (`mergekit-ram analyze`'s retention; costs a little more per group).
+    Groups made by stacking stored tensors are read as those (`Stacked`).
     """
     started = time.perf_counter()
     by_input: dict[Any, list[Any]] = {}
@@ -200,7 +343,14 @@ def collect_planned(
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
     math_device = torch.device(options.device or "cpu")
+    with ExitStack() as headers:
+        stacked = Stacked(headers)
+        parts = {}
+        for gather in by_input if not inner_products else ():
+            if found := stacked.parts(gather):
+                parts[gather] = found
     executor = BackwardExecutor(
+        skip=parts,
         targets=list(by_input),
         math_device=math_device,
         storage_device=math_device if options.low_cpu_memory else "cpu",
@@ -216,6 +366,13 @@ def collect_planned(
             for task in by_input[gather]:
                 _count_task(stats, task, tensors, math_device)
             del tensors
+    # mergekit schedules the groups it builds by conversion first: walked
+    # backwards, they come last.
+    stored = [g for g in reversed(executor.forward) if g in parts]
+    for gather in tqdm.tqdm(stored, disable=options.quiet, desc=desc):
+        for key, tensors in Stacked.read(*parts[gather]):
+            for task in by_input[gather]:
+                _count_task(stats, task, tensors, math_device, key)
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(
