@@ -47,6 +47,15 @@ def test_ram_and_explicit_scales_equal_reference(case, explicit, dtype):
     assert_untouched(before, (base, *tasks), out)
 
 
+def test_scales_too_large_to_add_up_leave_shared_elements_alone(case):
+    """Λ is λ_t on task t's unique elements and exactly 1 elsewhere, even where
+    the λ of the tasks sharing an element would overflow float32 summed."""
+    base, tasks = case
+    scales = [float(torch.finfo(torch.float32).max)] * len(tasks)
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=scales)
+    assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
+
+
 def assert_untouched(before, inputs, out):
     """Inputs are never written (nor their dtype changed), nor returned."""
     for old, new in zip(before, inputs):

@@ -106,8 +106,11 @@ def chunked_walk(
             # way: on CPU a comparison written to float32 costs a fraction of
             # one written to bool.
             torch.gt(torch.abs(tau, out=mask), epsilon, out=mask)
-            if counted:
-                torch.sum(mask, 0, out=counts[:width])  # exact: sums of 0 / 1
+            if counted:  # exact: sums of 0 / 1; few rows add up faster
+                if n > 4:
+                    torch.sum(mask, 0, out=counts[:width])
+                else:
+                    _sum(mask, counts[:width])
             return chunk_base, tau, mask, counts[:width]
 
         return work(read, taus, masks, steps)
@@ -116,8 +119,8 @@ def chunked_walk(
         return pool.split(run, torch.arange(0, total, size), device)
 
 
-# The signed integer type of each float width: comparing written values by
-# their bits costs one integer subtraction.
+# The signed integer type of each float width: written values compare by
+# their bits.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # −0.0's bits as int32: the smallest int32.
 _ZERO = torch.iinfo(torch.int32).min
@@ -191,14 +194,14 @@ def ram_merge_tensor(
         # RAM are written apart.
         rows = torch.empty((2, width), **like)
         plain = torch.empty(width, dtype=written, device=base.device)
-        found = torch.zeros((len(tasks), 2), dtype=torch.float64, device=base.device)
+        found = torch.zeros((2, len(tasks)), dtype=torch.float64, device=base.device)
         doubtful = False  # some chunk's Σ τ was not finite
         for start, stop in steps:
             width = stop - start
             base32, tau, mask, counts = read(start, stop)
-            tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
-            summed = _sum(tau, delta[:width])
-            finite = summed.is_meta or bool(torch.isfinite(summed.sum()))
+            divisor = torch.clamp(counts, min=1, out=scratch[:width])
+            summed = _sum(tau.mul_(mask), delta[:width], divisor)
+            finite = summed.is_meta or math.isfinite(summed.sum())
             if not finite:
                 # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
                 # refusing, the caller checks the inputs; ignoring, it is a
@@ -214,25 +217,24 @@ def ram_merge_tensor(
                 # exactly −0.0, as mergekit's where() has it.
                 tau.masked_fill_(mask == 0, -0.0)
             if signed or not finite:
-                summed = _sum(tau, delta[:width])
+                summed = _sum(tau, delta[:width], divisor)
             if rescales:
-                # Λ = (1 − u) + u·Σ_t λ_t·m_t: exact, every product is by 0 or 1.
+                # Λ = (1 − u) + Σ_t λ_t·m_t·u: exact, every product is by 0 or
+                # 1 and at most one term is not 0.
                 unique = torch.eq(counts, 1, out=rows[0, :width])
-                factor = torch.mul(mask[0], factors[0], out=lam[:width])
-                for row, scale in zip(mask[1:], factors[1:]):
-                    factor.add_(row, alpha=scale)
-                kept = torch.ne(counts, 1, out=scratch[:width])
-                torch.addcmul(kept, unique, factor, out=factor)
+                factor = torch.ne(counts, 1, out=lam[:width])
+                for row, scale in zip(mask, factors):
+                    factor.addcmul_(row, unique, value=scale)
                 if tally:
                     plain[:width].copy_(torch.add(base32, summed, out=scratch[:width]))
                 summed.mul_(factor)
             written_part = out[start:stop].copy_(summed.add_(base32))
             if tally:
                 bits = _BITS[out.element_size()]
-                apart = plain[:width].view(bits).sub_(written_part.view(bits))
-                rows[1, :width].copy_(apart).ne_(0)
+                apart = plain[:width].view(bits), written_part.view(bits)
+                torch.ne(*apart, out=rows[1, :width])
                 # Sums of 0 / 1 over one chunk: exact in float32.
-                found += torch.mm(mask, rows[:, :width].T)
+                found += torch.mm(rows[:, :width], mask.T)
         return found, doubtful
 
     walked = chunked_walk(base, tasks, epsilon, MERGE_CHUNK, merge)
@@ -242,14 +244,21 @@ def ram_merge_tensor(
         totals = sum(found for found, _ in walked).tolist()
         for index, scale in enumerate(scales):
             if scale != 1.0:
-                on_rescaled(index, int(totals[index][0]), int(totals[index][1]))
+                on_rescaled(index, int(totals[0][index]), int(totals[1][index]))
     return out.view(base.shape)
 
 
-def _sum(tau: Tensor, out: Tensor) -> Tensor:
-    """Σ_t of the rows of `tau`, in task order, into `out`."""
-    out.copy_(tau[0])
-    for row in tau[1:]:
+def _sum(rows: Tensor, out: Tensor, divisor: Tensor | None = None) -> Tensor:
+    """Σ_t rows_t, in task order, into `out`; with `divisor`, Σ_t rows_t /
+    divisor, each quotient rounded before it is added (as dividing the rows
+    first would have it), in one pass per row."""
+    if divisor is not None:
+        torch.div(rows[0], divisor, out=out)
+        for row in rows[1:]:
+            out.addcdiv_(row, divisor)
+        return out
+    torch.add(rows[0], rows[1], out=out) if len(rows) > 1 else out.copy_(rows[0])
+    for row in rows[2:]:
         out.add_(row)
     return out
 
