@@ -281,7 +281,8 @@ def overlaps(
     histograms[t][k]: task t's changed elements that exactly k other tasks
     change too; intersections[s][t] = |m_s ∧ m_t| (the diagonal: each task's
     changed count). Per chunk, up to JOINT_LIMIT tasks, one histogram of the
-    masks' joint pattern (bit t: task t changes the element) determines both;
+    masks' joint pattern (bit t: task t changes the element; the patterns of
+    `pack` elements counted as one number) determines both;
     beyond, one product of the masks with [masks; c = 1 … c = N] counts them
     (sums of 0 / 1, exact in float32). `finite`: whether every τ was finite,
     which (with a task) holds exactly when base and tasks are, save where
@@ -294,13 +295,14 @@ def overlaps(
     one thread, so float sums over them do not depend on the workers.
     """
     n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
-    like: dict[str, Any] = dict(dtype=torch.float32, device=base.device)
-    # The joint code Σ_t m_t·2^t of `pack` neighbouring elements in one number
-    # below 2^12: bincount's cost is per element counted.
+    # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
+    # the pattern of piece j's element i, all from one matrix-vector product
+    # (exact: small integers); bincount, whose cost is per number, counts
+    # `pack` patterns a number in at most 2^12 bins.
     pack = max(1, 12 // max(n, 1))
     bins = 1 << n * pack
-    powers = torch.tensor([1 << t for t in range(n)], **like)
-    packs = torch.tensor([1 << n * j for j in range(pack)], **like)
+    weights = [1 << t + n * j for t in range(n) for j in range(pack)]
+    weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
 
     def count(
         read: Reader, taus: Tensor, masks: Tensor, steps: list
@@ -314,21 +316,23 @@ def overlaps(
             counted = each is not None or not joint
             _, tau, changed, counts = read(start, stop, counted)
             summed += tau.sum()
-            rows = masks[:, : stop - start]
+            width = stop - start
             if joint:
-                codes = torch.mv(changed.T, powers, out=rows[n])
-                body = len(codes) - len(codes) % pack
-                packed = torch.mv(codes[:body].view(pack, -1).T, packs)
-                found += torch.bincount(packed.to(torch.int32), minlength=bins)
-                if body < len(codes):
-                    tail = codes[body:].to(torch.int32)
-                    rest += torch.bincount(tail, minlength=1 << n)
+                body = width - width % pack  # the rest: one pattern a number
+                # A copy only where the chunk is narrower than the rows.
+                block = changed[:, :body].reshape(n * pack, body // pack)
+                packed = torch.mv(block.T, weights).to(torch.int32)
+                found += torch.bincount(packed, minlength=bins)
+                if body < width:
+                    tail = torch.mv(changed[:, body:].T, weights[::pack])
+                    rest += torch.bincount(tail.to(torch.int32), minlength=1 << n)
             else:
+                rows = masks[:, :width]
                 for k, row in enumerate(rows[n:], 1):
                     torch.eq(counts, k, out=row)
                 found += torch.mm(changed, rows.T).to(torch.int64)
             if each is not None:
-                results.append(each(taus[:, : stop - start], counts))
+                results.append(each(taus[:, :width], counts))
         if joint:  # each field's histogram of the packed codes, plus the rest
             fields = found.view((1 << n,) * pack)
             for field in range(pack):
@@ -336,7 +340,7 @@ def overlaps(
             found = rest
         return found, summed, results
 
-    extra = (n + 1 if each else 0, 1 if joint else n)
+    extra = (n + 1 if each else 0, 0 if joint else n)
     walked = chunked_walk(
         base, tasks, epsilon, chunk, count, extra=extra, exact=each is not None
     )
