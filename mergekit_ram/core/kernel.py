@@ -106,11 +106,11 @@ def chunked_walk(
             # way: on CPU a comparison written to float32 costs a fraction of
             # one written to bool.
             torch.gt(torch.abs(tau, out=mask), epsilon, out=mask)
-            if counted:  # exact: sums of 0 / 1; few rows add up faster
-                if n > 4:
-                    torch.sum(mask, 0, out=counts[:width])
-                else:
+            if counted:  # exact: sums of 0 / 1; a few rows add faster one by one
+                if 0 < n <= 4:
                     _sum(mask, counts[:width])
+                else:
+                    torch.sum(mask, 0, out=counts[:width])
             return chunk_base, tau, mask, counts[:width]
 
         return work(read, taus, masks, steps)
