@@ -298,8 +298,9 @@ def overlaps(
     # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
     # the pattern of piece j's element i, all from one matrix-vector product
     # (exact: small integers); bincount, whose cost is per number, counts
-    # `pack` patterns a number in at most 2^12 bins.
-    pack = max(1, 12 // max(n, 1))
+    # `pack` patterns a number in at most 2^12 bins. A power of two: every
+    # chunk but a run's last divides into pieces in place.
+    pack = 1 << (12 // max(n, 1)).bit_length() - 1
     bins = 1 << n * pack
     weights = [1 << t + n * j for t in range(n) for j in range(pack)]
     weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
@@ -317,15 +318,13 @@ def overlaps(
             _, tau, changed, counts = read(start, stop, counted)
             summed += tau.sum()
             width = stop - start
-            if joint:
-                body = width - width % pack  # the rest: one pattern a number
-                # A copy only where the chunk is narrower than the rows.
-                block = changed[:, :body].reshape(n * pack, body // pack)
+            if joint and changed.is_contiguous() and width % pack == 0:
+                block = changed.view(n * pack, width // pack)
                 packed = torch.mv(block.T, weights).to(torch.int32)
                 found += torch.bincount(packed, minlength=bins)
-                if body < width:
-                    tail = torch.mv(changed[:, body:].T, weights[::pack])
-                    rest += torch.bincount(tail.to(torch.int32), minlength=1 << n)
+            elif joint:  # one pattern a number
+                codes = torch.mv(changed.T, weights[::pack]).to(torch.int32)
+                rest += torch.bincount(codes, minlength=1 << n)
             else:
                 rows = masks[:, :width]
                 for k, row in enumerate(rows[n:], 1):
