@@ -299,15 +299,16 @@ def overlaps(
     # the pattern of piece j's element i, all from one matrix-vector product
     # (exact: small integers); bincount, whose cost is per number, counts
     # `pack` patterns a number in at most 2^12 bins. A power of two: every
-    # chunk but a run's last divides into pieces in place.
-    pack = 1 << (12 // max(n, 1)).bit_length() - 1
+    # chunk but a run's last divides into pieces in place. Small tensors do
+    # not repay summing the pieces' histograms.
+    pack = 1 << (12 // max(n, 1)).bit_length() - 1 if base.numel() >> 16 else 1
     bins = 1 << n * pack
     weights = [1 << t + n * j for t in range(n) for j in range(pack)]
     weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
 
     def count(
         read: Reader, taus: Tensor, masks: Tensor, steps: list
-    ) -> tuple[Tensor, Tensor, list]:
+    ) -> tuple[Tensor, Tensor, Tensor, list]:
         shape = (bins,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
         rest = torch.zeros(1 << n, dtype=torch.int64, device=base.device)
@@ -332,20 +333,20 @@ def overlaps(
                 found += torch.mm(changed, rows.T).to(torch.int64)
             if each is not None:
                 results.append(each(taus[:, :width], counts))
-        if joint:  # each field's histogram of the packed codes, plus the rest
-            fields = found.view((1 << n,) * pack)
-            for field in range(pack):
-                rest += fields.movedim(field, 0).reshape(1 << n, -1).sum(1)
-            found = rest
-        return found, summed, results
+        return found, rest, summed, results
 
     extra = (n + 1 if each else 0, 0 if joint else n)
     walked = chunked_walk(
         base, tasks, epsilon, chunk, count, extra=extra, exact=each is not None
     )
-    found = sum(part for part, _, _ in walked).tolist()
-    finite = all(bool(torch.isfinite(summed)) for _, summed, _ in walked)
-    results = [result for _, _, part in walked for result in part]
+    found = sum(part for part, *_ in walked)
+    if joint:  # each field's histogram of the packed numbers, and the rest
+        fields, found = found.view(1, *(1 << n,) * pack), sum(r for _, r, *_ in walked)
+        for field in range(1, pack + 1):
+            found += fields.sum([d for d in range(pack + 1) if d != field])
+    found = found.tolist()
+    finite = all(math.isfinite(summed) for _, _, summed, _ in walked)
+    results = [result for *_, part in walked for result in part]
     if joint:  # every task's histogram and intersections from the patterns
         found, patterns = [[0] * 2 * n for _ in range(n)], found
         for code, elements in enumerate(patterns):
