@@ -297,7 +297,8 @@ def overlaps(
     n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
     # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
     # the pattern of piece j's element i, all from one matrix-vector product
-    # (exact: small integers); bincount, whose cost is per number, counts
+    # (exact at any matmul precision: 0 / 1 times powers of two, summed below
+    # 2^12); bincount, whose cost is per number, counts
     # `pack` patterns a number in at most 2^12 bins. A power of two: every
     # chunk but a run's last divides into pieces in place. Small tensors do
     # not repay summing the pieces' histograms.
