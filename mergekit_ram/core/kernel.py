@@ -298,10 +298,10 @@ def overlaps(
     # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
     # the pattern of piece j's element i, all from one matrix-vector product
     # (exact at any matmul precision: 0 / 1 times powers of two, summed below
-    # 2^12); bincount, whose cost is per number, counts
-    # `pack` patterns a number in at most 2^12 bins. A power of two: every
-    # chunk but a run's last divides into pieces in place. Small tensors do
-    # not repay summing the pieces' histograms.
+    # 2^12); bincount, whose cost is per number, counts `pack` patterns a
+    # number in at most 2^12 bins. A power of two: every chunk but a run's
+    # last divides into pieces in place. Small tensors do not repay summing
+    # the pieces' histograms.
     pack = 1 << (12 // max(n, 1)).bit_length() - 1 if base.numel() >> 16 else 1
     bins = 1 << n * pack
     weights = [1 << t + n * j for t in range(n) for j in range(pack)]
