@@ -1,4 +1,4 @@
-"""core.kernel.ram_merge_tensor against the dense reference (docs/spec.md)."""
+"""core.kernel's merge and count against the dense reference (docs/spec.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tensors
 import torch
 from tensors import EPSILON, as_dicts, cast, on, rule_fn, sparse_tasks
 
-from mergekit_ram.core.kernel import ram_merge_tensor
+from mergekit_ram.core.kernel import JOINT_LIMIT, overlaps, ram_merge_tensor
 from mergekit_ram.core.rule import ScaleRule
 
 CASES = [
@@ -45,6 +45,15 @@ def test_ram_and_explicit_scales_equal_reference(case, explicit, dtype):
     assert out.dtype == dtype and out.device == base.device
     assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
     assert_untouched(before, (base, *tasks), out)
+
+
+def test_scales_too_large_to_add_up_leave_shared_elements_alone(case):
+    """Λ is λ_t on task t's unique elements and exactly 1 elsewhere, even where
+    the λ of the tasks sharing an element would overflow float32 summed."""
+    base, tasks = case
+    scales = [float(torch.finfo(torch.float32).max)] * len(tasks)
+    out = ram_merge_tensor(base, tasks, epsilon=EPSILON, scales=scales)
+    assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
 
 
 def assert_untouched(before, inputs, out):
@@ -268,3 +277,17 @@ def test_the_walk_says_when_some_tau_is_not_finite(
         on_nonfinite=lambda: calls.append(1),
     )
     assert calls == ([1] if heard else [])
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, JOINT_LIMIT])
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 18])
+def test_counts_of_a_large_tensor_equal_reference(n, chunk, on_device):
+    """From 2^16 elements on the count reads several elements' patterns as
+    one number; a chunk that does not divide into pieces (a run's last,
+    narrower than the rows) counts one pattern a number."""
+    densities = [0.1 + 0.08 * t for t in range(n)]
+    base, tasks = sparse_tasks((256, 263), densities, seed=n)
+    rows, pairs, finite, _ = overlaps(*on(on_device, base, tasks), EPSILON, chunk)
+    per_tensor = reference.counts(*as_dicts(base, tasks), EPSILON)
+    assert rows == reference.csu(per_tensor, n)[3]
+    assert pairs == reference.intersections(per_tensor, n) and finite

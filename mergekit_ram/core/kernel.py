@@ -106,8 +106,11 @@ def chunked_walk(
             # way: on CPU a comparison written to float32 costs a fraction of
             # one written to bool.
             torch.gt(torch.abs(tau, out=mask), epsilon, out=mask)
-            if counted:
-                torch.sum(mask, 0, out=counts[:width])  # exact: sums of 0 / 1
+            if counted:  # exact: sums of 0 / 1; a few rows add faster one by one
+                if 0 < n <= 4:
+                    _sum(mask, counts[:width])
+                else:
+                    torch.sum(mask, 0, out=counts[:width])
             return chunk_base, tau, mask, counts[:width]
 
         return work(read, taus, masks, steps)
@@ -116,8 +119,8 @@ def chunked_walk(
         return pool.split(run, torch.arange(0, total, size), device)
 
 
-# The signed integer type of each float width: comparing written values by
-# their bits costs one integer subtraction.
+# The signed integer type of each float width: written values compare by
+# their bits.
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # −0.0's bits as int32: the smallest int32.
 _ZERO = torch.iinfo(torch.int32).min
@@ -191,14 +194,14 @@ def ram_merge_tensor(
         # RAM are written apart.
         rows = torch.empty((2, width), **like)
         plain = torch.empty(width, dtype=written, device=base.device)
-        found = torch.zeros((len(tasks), 2), dtype=torch.float64, device=base.device)
+        found = torch.zeros((2, len(tasks)), dtype=torch.float64, device=base.device)
         doubtful = False  # some chunk's Σ τ was not finite
         for start, stop in steps:
             width = stop - start
             base32, tau, mask, counts = read(start, stop)
-            tau.mul_(mask).div_(torch.clamp(counts, min=1, out=scratch[:width]))
-            summed = _sum(tau, delta[:width])
-            finite = summed.is_meta or bool(torch.isfinite(summed.sum()))
+            divisor = torch.clamp(counts, min=1, out=scratch[:width])
+            summed = _sum(tau.mul_(mask), delta[:width], divisor)
+            finite = summed.is_meta or math.isfinite(summed.sum())
             if not finite:
                 # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
                 # refusing, the caller checks the inputs; ignoring, it is a
@@ -214,25 +217,24 @@ def ram_merge_tensor(
                 # exactly −0.0, as mergekit's where() has it.
                 tau.masked_fill_(mask == 0, -0.0)
             if signed or not finite:
-                summed = _sum(tau, delta[:width])
+                summed = _sum(tau, delta[:width], divisor)
             if rescales:
-                # Λ = (1 − u) + u·Σ_t λ_t·m_t: exact, every product is by 0 or 1.
+                # Λ = (1 − u) + Σ_t λ_t·m_t·u: exact, every product is by 0 or
+                # 1 and at most one term is not 0.
                 unique = torch.eq(counts, 1, out=rows[0, :width])
-                factor = torch.mul(mask[0], factors[0], out=lam[:width])
-                for row, scale in zip(mask[1:], factors[1:]):
-                    factor.add_(row, alpha=scale)
-                kept = torch.ne(counts, 1, out=scratch[:width])
-                torch.addcmul(kept, unique, factor, out=factor)
+                factor = torch.ne(counts, 1, out=lam[:width])
+                for row, scale in zip(mask, factors):
+                    factor.addcmul_(row, unique, value=scale)
                 if tally:
                     plain[:width].copy_(torch.add(base32, summed, out=scratch[:width]))
                 summed.mul_(factor)
             written_part = out[start:stop].copy_(summed.add_(base32))
             if tally:
                 bits = _BITS[out.element_size()]
-                apart = plain[:width].view(bits).sub_(written_part.view(bits))
-                rows[1, :width].copy_(apart).ne_(0)
+                apart = plain[:width].view(bits), written_part.view(bits)
+                torch.ne(*apart, out=rows[1, :width])
                 # Sums of 0 / 1 over one chunk: exact in float32.
-                found += torch.mm(mask, rows[:, :width].T)
+                found += torch.mm(rows[:, :width], mask.T)
         return found, doubtful
 
     walked = chunked_walk(base, tasks, epsilon, MERGE_CHUNK, merge)
@@ -242,14 +244,21 @@ def ram_merge_tensor(
         totals = sum(found for found, _ in walked).tolist()
         for index, scale in enumerate(scales):
             if scale != 1.0:
-                on_rescaled(index, int(totals[index][0]), int(totals[index][1]))
+                on_rescaled(index, int(totals[0][index]), int(totals[1][index]))
     return out.view(base.shape)
 
 
-def _sum(tau: Tensor, out: Tensor) -> Tensor:
-    """Σ_t of the rows of `tau`, in task order, into `out`."""
-    out.copy_(tau[0])
-    for row in tau[1:]:
+def _sum(rows: Tensor, out: Tensor, divisor: Tensor | None = None) -> Tensor:
+    """Σ_t rows_t, in task order, into `out`; with `divisor`, Σ_t rows_t /
+    divisor, each quotient rounded before it is added (as dividing the rows
+    first would have it), in one pass per row."""
+    if divisor is not None:
+        torch.div(rows[0], divisor, out=out)
+        for row in rows[1:]:
+            out.addcdiv_(row, divisor)
+        return out
+    torch.add(rows[0], rows[1], out=out) if len(rows) > 1 else out.copy_(rows[0])
+    for row in rows[2:]:
         out.add_(row)
     return out
 
@@ -272,7 +281,8 @@ def overlaps(
     histograms[t][k]: task t's changed elements that exactly k other tasks
     change too; intersections[s][t] = |m_s ∧ m_t| (the diagonal: each task's
     changed count). Per chunk, up to JOINT_LIMIT tasks, one histogram of the
-    masks' joint pattern (bit t: task t changes the element) determines both;
+    masks' joint pattern (bit t: task t changes the element; the patterns of
+    `pack` elements counted as one number) determines both;
     beyond, one product of the masks with [masks; c = 1 … c = N] counts them
     (sums of 0 / 1, exact in float32). `finite`: whether every τ was finite,
     which (with a task) holds exactly when base and tasks are, save where
@@ -285,41 +295,59 @@ def overlaps(
     one thread, so float sums over them do not depend on the workers.
     """
     n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
+    # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
+    # the pattern of piece j's element i, all from one matrix-vector product
+    # (exact at any matmul precision: 0 / 1 times powers of two, summed below
+    # 2^12); bincount, whose cost is per number, counts `pack` patterns a
+    # number in at most 2^12 bins. A power of two: every chunk but a run's
+    # last divides into pieces in place. Small tensors do not repay summing
+    # the pieces' histograms.
+    pack = 1 << (12 // max(n, 1)).bit_length() - 1 if base.numel() >> 16 else 1
+    bins = 1 << n * pack
+    weights = [1 << t + n * j for t in range(n) for j in range(pack)]
+    weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
 
     def count(
         read: Reader, taus: Tensor, masks: Tensor, steps: list
-    ) -> tuple[Tensor, Tensor, list]:
-        shape = (1 << n,) if joint else (n, 2 * n)
+    ) -> tuple[Tensor, Tensor, Tensor, list]:
+        shape = (bins,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
+        rest = torch.zeros(1 << n, dtype=torch.int64, device=base.device)
         summed = torch.zeros((), dtype=torch.float32, device=base.device)
         results = []
         for start, stop in steps:
             counted = each is not None or not joint
             _, tau, changed, counts = read(start, stop, counted)
             summed += tau.sum()
-            rows = masks[:, : stop - start]
-            if joint:
-                codes = rows[n].zero_()
-                for t, mask in enumerate(changed):
-                    codes.add_(mask, alpha=1 << t)
-                # On CPU float32 → int32 → uint8 costs a third of float32 → uint8.
-                codes = codes.to(torch.int32).to(torch.uint8)
-                found += torch.bincount(codes, minlength=1 << n)
+            width = stop - start
+            if joint and changed.is_contiguous() and width % pack == 0:
+                block = changed.view(n * pack, width // pack)
+                packed = torch.mv(block.T, weights).to(torch.int32)
+                found += torch.bincount(packed, minlength=bins)
+            elif joint:  # one pattern a number
+                codes = torch.mv(changed.T, weights[::pack]).to(torch.int32)
+                rest += torch.bincount(codes, minlength=1 << n)
             else:
+                rows = masks[:, :width]
                 for k, row in enumerate(rows[n:], 1):
                     torch.eq(counts, k, out=row)
                 found += torch.mm(changed, rows.T).to(torch.int64)
             if each is not None:
-                results.append(each(taus[:, : stop - start], counts))
-        return found, summed, results
+                results.append(each(taus[:, :width], counts))
+        return found, rest, summed, results
 
-    extra = (n + 1 if each else 0, 1 if joint else n)
+    extra = (n + 1 if each else 0, 0 if joint else n)
     walked = chunked_walk(
         base, tasks, epsilon, chunk, count, extra=extra, exact=each is not None
     )
-    found = sum(part for part, _, _ in walked).tolist()
-    finite = all(bool(torch.isfinite(summed)) for _, summed, _ in walked)
-    results = [result for _, _, part in walked for result in part]
+    found = sum(part for part, *_ in walked)
+    if joint:  # each field's histogram of the packed numbers, and the rest
+        fields, found = found.view(1, *(1 << n,) * pack), sum(r for _, r, *_ in walked)
+        for field in range(1, pack + 1):
+            found += fields.sum([d for d in range(pack + 1) if d != field])
+    found = found.tolist()
+    finite = all(math.isfinite(summed) for _, _, summed, _ in walked)
+    results = [result for *_, part in walked for result in part]
     if joint:  # every task's histogram and intersections from the patterns
         found, patterns = [[0] * 2 * n for _ in range(n)], found
         for code, elements in enumerate(patterns):
