@@ -40,6 +40,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Llama shapes: hidden, intermediate, layers, heads, kv heads, vocabulary.
 SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -358,21 +359,25 @@ def floor(config: str, out: str) -> None:
     with open(config) as handle:
         document = yaml.safe_load(handle)
     models = [document["base_model"], *(m["model"] for m in document["models"])]
-    handles, names = {}, []
+    maps, names = {}, []
     for model in models:
         with open(os.path.join(model, "model.safetensors.index.json")) as handle:
-            weight_map = json.load(handle)["weight_map"]
-        names = names or list(weight_map)  # the base's
-        for name, file in weight_map.items():
-            path = os.path.join(model, file)
-            if path not in handles:
-                handles[path] = safe_open(path, "pt")
-            handles[model, name] = handles[path]
+            maps[model] = json.load(handle)["weight_map"]
+        names = names or list(maps[model])  # the base's
+    # One open shard per model at a time, as mergekit's loader keeps.
+    opened: dict[str, tuple[str, Any]] = {}
+
+    def read(model: str, name: str) -> Any:
+        path = os.path.join(model, maps[model][name])
+        if opened.get(model, ("",))[0] != path:
+            opened[model] = (path, safe_open(path, "pt"))
+        return opened[model][1].get_tensor(name).clone()
+
     os.makedirs(out)
     shard: dict = {}
     size = count = 0
     for name in names:
-        tensors = [handles[model, name].get_tensor(name).clone() for model in models]
+        tensors = [read(model, name) for model in models]
         output = tensors[0]
         if shard and size + output.nbytes > 5_000_000_000:
             count += 1
