@@ -210,3 +210,18 @@ def test_nan_in_one_stored_expert_is_refused_naming_it(tmp_path):
     ):
         run(config, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_ignored_nan_in_one_stored_expert_counts_as_fused(tmp_path):
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    found = []
+    for layout in ("fused", "stored"):
+        config = build(tmp_path / layout, "qwen3_moe", layout, nan=name)
+        config["parameters"]["nonfinite"] = "ignore"
+        found.append(outcome(run(config, tmp_path / f"out-{layout}")))
+    assert found[0] == found[1]
+    assert not torch.isnan(
+        load_file(str(tmp_path / "out-stored" / "model.safetensors"))[
+            "model.layers.1.mlp.experts.gate_up_proj"
+        ]
+    ).any()
