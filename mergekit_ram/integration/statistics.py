@@ -63,7 +63,7 @@ from transformers.core_model_loading import (
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.rule import MergeSettings, SurvivalTally
-from mergekit_ram.integration.checkpoints import safetensors_spans
+from mergekit_ram.integration.checkpoints import safetensors_header, safetensors_spans
 from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
 from mergekit_ram.integration.methods import as_ram_task, is_ours
 from mergekit_ram.integration.validation import check_plan, resolved_values
@@ -213,17 +213,9 @@ class Stacked:
     every group mergekit reads by name) goes through mergekit's load.
     """
 
-    def __init__(self, headers: ExitStack) -> None:
-        # Files opened to read their headers (closed with `headers`).
-        self.headers, self.handles = headers, {}
-        self.sources: dict[Any, dict] = {}
-
-    def _header(self, path: str) -> Any:
-        if path not in self.handles:
-            safetensors = path.endswith(".safetensors")
-            opened = safetensors and self.headers.enter_context(safe_open(path, "pt"))
-            self.handles[path] = opened or None
-        return self.handles[path]
+    def __init__(self) -> None:
+        self.sources: dict[Any, dict] = {}  # per model: stacked_sources
+        self.headers: dict[str, dict] = {}  # per file: what it declares
 
     def parts(self, gather: Task) -> tuple[list[str], dict] | None:
         """(stored names, {model: (their files, dtype to read as)}) of a
@@ -245,11 +237,16 @@ class Stacked:
                 return None
             keys, index = found, loader.index
             files = [os.path.join(index.base_path, index.tensor_paths[k]) for k in keys]
-            handles = [self._header(file) for file in files]
-            if None in handles:
+            if not all(file.endswith(".safetensors") for file in files):
                 return None
-            slices = [h.get_slice(k) for h, k in zip(handles, keys)]
-            layouts = {(tuple(s.get_shape()), s.get_dtype()) for s in slices}
+            for file in files:
+                if file not in self.headers:
+                    model = str(load.model)
+                    self.headers[file] = safetensors_header(file, "model", model)
+            layouts = {
+                (self.headers[f][k].shape, self.headers[f][k].dtype_name)
+                for f, k in zip(files, keys)
+            }
             if len(layouts) > 1 or shape not in (None, next(iter(layouts))[0]):
                 return None
             shape = next(iter(layouts))[0]
@@ -343,12 +340,10 @@ def collect_planned(
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
     math_device = torch.device(options.device or "cpu")
-    with ExitStack() as headers:
-        stacked = Stacked(headers)
-        parts = {}
-        for gather in by_input if not inner_products else ():
-            if found := stacked.parts(gather):
-                parts[gather] = found
+    stacked, parts = Stacked(), {}
+    for gather in by_input if not inner_products else ():
+        if found := stacked.parts(gather):
+            parts[gather] = found
     executor = BackwardExecutor(
         skip=parts,
         targets=list(by_input),
