@@ -188,35 +188,31 @@ def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
 def _write_config(size: str, path: str) -> None:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    if size in MOE_SIZES:
-        hidden, inter, layers, heads, kv, vocab, experts = MOE_SIZES[size]
-        Qwen3MoeConfig(
-            vocab_size=vocab,
-            hidden_size=hidden,
+    moe = size in MOE_SIZES
+    hidden, inter, layers, heads, kv, vocab, *experts = (MOE_SIZES if moe else SIZES)[
+        size
+    ]
+    config = Qwen3MoeConfig if moe else LlamaConfig
+    extra = (
+        dict(
             moe_intermediate_size=inter,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
             head_dim=hidden // heads,
-            num_experts=experts,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            architectures=["Qwen3MoeForCausalLM"],
-            dtype="bfloat16",
-        ).save_pretrained(path)
-        return
-    hidden, inter, layers, heads, kv, vocab = SIZES[size]
-    LlamaConfig(
+            num_experts=experts[0],
+        )
+        if moe
+        else dict(intermediate_size=inter)
+    )
+    config(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
+        architectures=[config.__name__.replace("Config", "ForCausalLM")],
         dtype="bfloat16",
+        **extra,
     ).save_pretrained(path)
 
 
