@@ -279,12 +279,14 @@ def test_the_walk_says_when_some_tau_is_not_finite(
     assert calls == ([1] if heard else [])
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, JOINT_LIMIT])
+@pytest.mark.parametrize("n", [1, 3, 4, JOINT_LIMIT, 13])
 @pytest.mark.parametrize("chunk", [1 << 12, 1 << 18])
 def test_counts_of_a_large_tensor_equal_reference(n, chunk, on_device):
     """From 2^16 elements on the count reads several elements' patterns as
     one number; a chunk that does not divide into pieces (a run's last,
-    narrower than the rows) counts one pattern a number."""
+    narrower than the rows) counts one pattern a number. Beyond JOINT_LIMIT
+    (13 task models: more than the 12 bits a packed number holds) no
+    patterns are packed."""
     densities = [0.1 + 0.08 * t for t in range(n)]
     base, tasks = sparse_tasks((256, 263), densities, seed=n)
     rows, pairs, finite, _ = overlaps(*on(on_device, base, tasks), EPSILON, chunk)

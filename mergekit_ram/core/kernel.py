@@ -301,9 +301,11 @@ def overlaps(
     # 2^12); bincount, whose cost is per number, counts `pack` patterns a
     # number in at most 2^12 bins. A power of two: every chunk but a run's
     # last divides into pieces in place. Small tensors do not repay summing
-    # the pieces' histograms.
-    pack = 1 << (12 // max(n, 1)).bit_length() - 1 if base.numel() >> 16 else 1
-    bins = 1 << n * pack
+    # the pieces' histograms. Beyond JOINT_LIMIT nothing is packed, and no
+    # histogram of 2^N patterns is allocated.
+    packs = joint and base.numel() >> 16
+    pack = 1 << (12 // max(n, 1)).bit_length() - 1 if packs else 1
+    bins = 1 << n * pack if joint else 0
     weights = [1 << t + n * j for t in range(n) for j in range(pack)]
     weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
 
@@ -312,7 +314,7 @@ def overlaps(
     ) -> tuple[Tensor, Tensor, Tensor, list]:
         shape = (bins,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
-        rest = torch.zeros(1 << n, dtype=torch.int64, device=base.device)
+        rest = torch.zeros(bins and 1 << n, dtype=torch.int64, device=base.device)
         summed = torch.zeros((), dtype=torch.float32, device=base.device)
         results = []
         for start, stop in steps:
