@@ -60,6 +60,7 @@ SIZES: dict[str, tuple[int, int, int, int, int, int]] = {
 MOE_SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
     "moe": (128, 64, 12, 4, 2, 4096, 128),
 }
+SHAPES: dict[str, tuple[int, ...]] = {**SIZES, **MOE_SIZES}
 
 # Fractions of elements each agent changes (the paper's 3.2 / 46.2 / 54.3 %),
 # repeated with a shift for more agents.
@@ -159,7 +160,7 @@ def agent_densities(count: int) -> list[float]:
 def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor of a Llama (or, for a MoE size, a
     per-expert Qwen3-MoE) checkpoint of this size."""
-    hidden, inter, layers, heads, kv, vocab, *moe = {**SIZES, **MOE_SIZES}[size]
+    hidden, inter, layers, heads, kv, vocab, *moe = SHAPES[size]
     head = hidden // heads
     yield "model.embed_tokens.weight", (vocab, hidden)
     for i in range(layers):
@@ -188,17 +189,10 @@ def tensor_shapes(size: str) -> Iterator[tuple[str, tuple[int, ...]]]:
 def _write_config(size: str, path: str) -> None:
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    moe = size in MOE_SIZES
-    hidden, inter, layers, heads, kv, vocab, *experts = (MOE_SIZES if moe else SIZES)[
-        size
-    ]
+    hidden, inter, layers, heads, kv, vocab, *moe = SHAPES[size]
     config = Qwen3MoeConfig if moe else LlamaConfig
     extra = (
-        dict(
-            moe_intermediate_size=inter,
-            head_dim=hidden // heads,
-            num_experts=experts[0],
-        )
+        dict(moe_intermediate_size=inter, head_dim=hidden // heads, num_experts=moe[0])
         if moe
         else dict(intermediate_size=inter)
     )
@@ -269,7 +263,7 @@ def build_models(size: str, agents: int, root: str, seed: int = 0) -> dict[str, 
     for n in names:
         with open(os.path.join(paths[n], "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": index[n]}, f)
-        _save_tokenizer(paths[n], {**SIZES, **MOE_SIZES}[size][5])
+        _save_tokenizer(paths[n], SHAPES[size][5])
     open(done, "w").close()
     return paths
 
@@ -499,9 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         floor(argv[1], argv[2])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--sizes", nargs="+", default=["135m"], choices=[*SIZES, *MOE_SIZES]
-    )
+    parser.add_argument("--sizes", nargs="+", default=["135m"], choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--agents", type=int, nargs="+", default=[3])
     parser.add_argument(
