@@ -62,7 +62,6 @@ class Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.stack: list[list[Any]] = []  # [row, seconds of callees]
-        self.in_pass = False
 
     def timed(self, row: str | Callable[[], str], function: Callable) -> Callable:
         @functools.wraps(function)
@@ -87,7 +86,13 @@ class Timers:
 
 
 def phase(stage: str) -> Callable[[], str]:
-    return lambda: f"{'pass' if TIMERS.in_pass else 'merge'}: {stage}"
+    """The row of `stage` in the statistics pass (inside collect_planned's
+    row) or in the merge."""
+    return lambda: (
+        f"pass: {stage}"
+        if any(row == "pass: rest" for row, _ in TIMERS.stack)
+        else f"merge: {stage}"
+    )
 
 
 TIMERS = Timers()
@@ -158,20 +163,7 @@ def _install_timers() -> None:
     ):
         wrap(module, name, "ours: checks")
 
-    def entering(function: Callable) -> Callable:
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            TIMERS.in_pass = True
-            try:
-                return function(*args, **kwargs)
-            finally:
-                TIMERS.in_pass = False
-
-        return wrapper
-
-    statistics.collect_planned = entering(
-        TIMERS.timed("pass: rest", statistics.collect_planned)
-    )
+    wrap(statistics, "collect_planned", "pass: rest")
     wrap(statistics, "_count_task", "pass: count")
     wrap(tasks.LoadTensor, "execute", phase("read"))
     wrap(methods.RAMMergeTask, "execute", "merge: kernel")
