@@ -29,6 +29,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+# tests/faults.py's fixtures (the publishing tests' OUT with a previous merge).
+pytest_plugins = ["faults"]
+
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 LAYER_WEIGHTS = (
     "input_layernorm",

@@ -135,6 +135,12 @@ def make_previous(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.fixture
+def previous(tmp_path: Path) -> Path:
+    """make_previous's OUT (a fixture: conftest loads this module as a plugin)."""
+    return make_previous(tmp_path)
+
+
 def ours_left(out: Path) -> list[str]:
     """What of ours is in or next to OUT beyond a finished merge's manifest
     and .gitignore: staging, a lock (none after a run ends)."""

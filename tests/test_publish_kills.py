@@ -37,11 +37,6 @@ from faults import (
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
 
 
-@pytest.fixture
-def previous(tmp_path) -> Path:
-    return make_previous(tmp_path)
-
-
 def make_out(root: Path, scenario: str) -> Path:
     root.mkdir(parents=True)
     return make_previous(root) if scenario == "previous merge" else root / "out"

@@ -36,11 +36,6 @@ import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
 
 
-@pytest.fixture
-def previous(tmp_path) -> Path:
-    return make_previous(tmp_path)
-
-
 def manifest(out: Path) -> list:
     return json.loads((out / STATE / MANIFEST).read_text())["files"]
 
