@@ -45,11 +45,8 @@ def _loaded(name):
     except Exception as error:  # a start-up hook must never break mergekit
         if not _warned:
             _warned = True
-            sys.stderr.write(
-                f"mergekit-ram: autoload failed after importing {name}: {error}\n"
-                "mergekit-ram: `merge_method: ram/ramplus` may be stock or missing; "
-                "`import mergekit_ram` shows the full error.\n"
-            )
+            # Other methods stay mergekit's own; ram / ramplus are refused.
+            sys.stderr.write(f"mergekit-ram: not installed ({name}): {error}\n")
 
 
 class _Loader:

@@ -21,6 +21,7 @@ _API = ("merge_state_dicts", "merge_tensors", "run_merge")
 def __getattr__(name: str):
     # Lazy: the API imports mergekit, which this package must not do itself.
     if name in _API:
+        install()  # the host probed before the API's modules, which rely on it
         from mergekit_ram.commands import api
 
         return getattr(api, name)

@@ -38,12 +38,12 @@ def child_env(**extra: str) -> dict[str, str]:
 REPORT = """
 import json, sys
 def _state():
-    from mergekit.merge_methods import registry
+    from mergekit import merge_methods
     plan = sys.modules.get("mergekit.plan")
     merge = sys.modules.get("mergekit.merge")
     out = {}
     for name in ("ram", "ramplus"):
-        method = registry._METHODS.get(name)
+        method = merge_methods.get(name)  # ours: routed, installing first
         out[name] = type(method).__module__ + "." + type(method).__name__
     out["planner"] = plan is not None and all(
         hasattr(getattr(plan.MergePlanner, f), "__mergekit_ram__")

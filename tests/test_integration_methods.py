@@ -3,27 +3,18 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pydantic
 import pytest
 import reference
 import torch
 from mergekit import merge_methods
-from mergekit.merge_methods import BasePolicy, ParameterScope, registry
+from mergekit.merge_methods import BasePolicy, ParameterScope
 from mergekit.merge_methods import ram as stock_ram
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
 
 import mergekit_ram
 from mergekit_ram.core.errors import RAMInputError
-from mergekit_ram.integration.install import (
-    SUPPORTED,
-    IncompatibleMergekit,
-    patch_card,
-    patch_planner,
-    patch_run_merge,
-    register_methods,
-)
 from mergekit_ram.integration.methods import ram, ramplus
 
 STOCK = stock_ram.ram_merge
@@ -46,56 +37,6 @@ def case(request, on_device):
 def ref_merge(base, tasks, **kwargs):
     merged, _ = reference.merge(*as_dicts(base, tasks), **kwargs)
     return merged["w"]
-
-
-# --- registration -----------------------------------------------------------
-
-
-def test_registered_over_stock_ram_once(monkeypatch):
-    """Importing registers ours (stock's tensor-local variant is left alone);
-    installing again changes nothing; stock `ram` is taken over."""
-    from mergekit import merge as merge_module
-    from mergekit import plan
-
-    assert merge_methods.get("ram") is ram
-    assert merge_methods.get("ramplus") is ramplus
-    assert {ram, ramplus} <= set(merge_methods.registered_methods())
-    assert merge_methods.get("ramplus_tl") is stock_ram.ramplus_tl_merge
-    table = dict(registry._METHODS)
-    patched = (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk)
-    card = merge_module.generate_card
-    mergekit_ram.install()
-    mergekit_ram.install(eager=False)
-    assert registry._METHODS == table
-    assert (plan.MergePlanner._plan, plan.MergePlanner.plan_to_disk) == patched
-    assert merge_module.generate_card is card
-    monkeypatch.setitem(registry._METHODS, "ram", STOCK)
-    register_methods()
-    assert merge_methods.get("ram") is ram
-
-
-@pytest.mark.parametrize("name", ["ram", "ramplus"])
-def test_a_foreign_method_of_our_name_is_refused(name, monkeypatch):
-    foreign = merge_methods.get("linear")
-    monkeypatch.setitem(registry._METHODS, name, foreign)
-    with pytest.raises(IncompatibleMergekit) as error:
-        mergekit_ram.install()
-    message = str(error.value)
-    assert f"{name!r} is already registered" in message
-    assert type(foreign).__module__ in message and SUPPORTED in message
-    assert registry._METHODS[name] is foreign  # not overwritten
-
-
-def test_a_mergekit_without_what_is_patched_is_refused(monkeypatch):
-    with pytest.raises(IncompatibleMergekit, match="MergePlanner._plan"):
-        patch_planner(types.ModuleType("fake_plan"))
-    with pytest.raises(IncompatibleMergekit, match="generate_card"):
-        patch_card(types.ModuleType("fake_merge"), str)
-    with pytest.raises(IncompatibleMergekit, match="run_merge"):
-        patch_run_merge(types.ModuleType("fake_merge"))
-    monkeypatch.setattr(registry, "_METHODS", None)
-    with pytest.raises(IncompatibleMergekit, match="_METHODS"):
-        register_methods()
 
 
 # --- parity with stock ram ----------------------------------------------------

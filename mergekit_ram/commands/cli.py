@@ -8,14 +8,17 @@ shows its help (as long as `mergekit-yaml --help` takes).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from importlib import import_module
 from importlib.metadata import version
+from importlib.util import find_spec
 from typing import Any, NamedTuple
 
 import click
 
-from mergekit_ram.integration.errors import click_errors
+from mergekit_ram.commands.install import install
+from mergekit_ram.integration.errors import IncompatibleMergekit, click_errors
 
 
 class Entry(NamedTuple):
@@ -56,6 +59,8 @@ class _Commands(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         entry = COMMANDS.get(name)
+        if entry is not None and entry.module != __name__:
+            install()  # the host probed before a module that relies on it loads
         return None if entry is None else getattr(import_module(entry.module), name)
 
     def format_commands(self, ctx: click.Context, formatter: Any) -> None:
@@ -67,12 +72,31 @@ class _Commands(click.Group):
             return super().invoke(ctx)
 
 
+def _version(ctx: click.Context, _param: Any, value: bool) -> None:
+    """Both versions (a bug report needs both), where mergekit was found and
+    whether the plugin is installed into it, or why not."""
+    if not value or ctx.resilient_parsing:
+        return
+    state = "mergekit-ram is installed into it"
+    try:
+        install()
+    except IncompatibleMergekit as error:
+        state = f"NOT installed: {error.message}"
+    where = os.path.dirname(find_spec("mergekit").origin)
+    ours, host = version("mergekit-ram"), version("mergekit")
+    click.echo(f"mergekit-ram {ours}, mergekit {host} ({where}): {state}")
+    ctx.exit()
+
+
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(
-    # Both versions: a bug report needs both.
-    message=f"%(package)s %(version)s, mergekit {version('mergekit')}",
-    package_name="mergekit-ram",
-    help="Show mergekit-ram's and mergekit's versions and exit.",
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_version,
+    help="Show mergekit-ram's and mergekit's versions, and whether mergekit-ram "
+    "is installed into that mergekit (or why not), and exit.",
 )
 def main() -> None:
     """RAM and RAM+ (Reinforced Agent Merging) for mergekit."""
@@ -87,10 +111,9 @@ def main() -> None:
     help="Keep the demo's models, config and merge in this folder.",
 )
 def demo(out_dir: str | None) -> None:
+    install()  # before the demo's modules, which rely on the host
     from mergekit_ram.commands.demo import run_demo
-    from mergekit_ram.commands.install import install
 
-    install()
     if out_dir is not None:
         run_demo(out_dir)
         return

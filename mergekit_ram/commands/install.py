@@ -8,12 +8,20 @@ and imports no mergekit.
 
 from __future__ import annotations
 
+from typing import Any
+
 from mergekit_ram.integration import install as integration
 
 
-def install(eager: bool = True) -> None:
-    """integration.install.install, with analysis.card's statistics section."""
-    # Lazy: the section's module imports mergekit; this module must not.
+def _section(run: Any) -> str:
+    # Lazy: the section's module imports mergekit; this module must not, and
+    # nothing of ours that does is imported before the host is probed.
     from mergekit_ram.analysis.card import statistics_section
 
-    integration.install(eager, statistics_section)
+    return statistics_section(run)
+
+
+def install(eager: bool = True) -> None:
+    """integration.install.install, with analysis.card's statistics section
+    (IncompatibleMergekit when this mergekit is not one we can install into)."""
+    integration.install(eager, _section)

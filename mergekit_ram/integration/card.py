@@ -126,3 +126,41 @@ def in_config_order(config: MergeConfiguration) -> MergeConfiguration:
     referenced_models(), a set in mergekit, so its model list (and its
     `base_model` metadata) changed order from run to run."""
     return _InConfigOrder.model_construct(**dict(config))
+
+
+def card_hooks(card_section: Any) -> tuple[Any, Any]:
+    """Wrappers for mergekit's `generate_card` and `card.is_hf`, for a RAM merge
+    (one is running: only our run_merge opens one): its variant, licence and
+    models in the configuration's order, `card_section(run)` added, OUT's
+    name, and no hub lookup for a folder it read. Outside one both are
+    mergekit's own, arguments passed through untouched."""
+    from mergekit_ram.integration.context import current_run
+    from mergekit_ram.integration.host import bound
+
+    def described(original: Any) -> Any:
+        def generate_card(*args: Any, **kwargs: Any) -> str:
+            if (run := current_run()) is None:
+                return original(*args, **kwargs)
+            call = bound(original, args, kwargs)
+            config = call.arguments["config"] = in_config_order(
+                call.arguments["config"]
+            )
+            call.arguments["name"] = run.card_name  # OUT's, not our staging folder's
+            card = original(*call.args, **call.kwargs)
+            return described_card(card, config, run.values) + card_section(run)
+
+        return generate_card
+
+    def local_is_hf(lookup: Any) -> Any:
+        # mergekit asks the hub whether a local folder named like a hub id
+        # (`in/base`) is also a repository, to link it: offline that fails
+        # after the whole merge, a silent hub stalls it. For a RAM merge a
+        # path that exists here is the folder the merge read.
+        def is_hf(*args: Any, **kwargs: Any) -> bool:
+            if current_run() is not None and args and os.path.exists(args[0]):
+                return False
+            return lookup(*args, **kwargs)
+
+        return is_hf
+
+    return described, local_is_hf

@@ -32,6 +32,14 @@ class UnknownMethod(ClickInputError, RuntimeError):
     mergekit raises for it, and our input error."""
 
 
+class IncompatibleMergekit(click.ClickException, RuntimeError):
+    """The installed mergekit is not one this plugin can install into
+    (`host.probe`): click prints it as `Error: ...` (exit 2); a RuntimeError,
+    as mergekit's own error for a method it does not have. Not an input error."""
+
+    exit_code = 2
+
+
 @contextmanager
 def click_errors() -> Iterator[None]:
     """A RAMInputError raised inside, as the ClickInputError click prints."""

@@ -47,6 +47,7 @@ from mergekit_ram.core.kernel import ram_merge_tensor
 from mergekit_ram.core.modes import ties_merge_tensor, unique_merge_tensor
 from mergekit_ram.core.rule import MergeSettings, ScaleRule
 from mergekit_ram.integration.context import MergeRun, current_run, running
+from mergekit_ram.integration.host import OURS, incompatible
 
 REFERENCE_URL = "https://arxiv.org/abs/2601.13572"
 
@@ -129,9 +130,12 @@ class RAMMerge(GroupMergeMethod):
         ids = [entry.id for entry in group.non_base]
         # None: λ from this tensor's own counts (statistics: tensor; a global
         # merge always has λ here, from _execute or the planner).
-        explicit = [unique_scale.get(i) for i in ids]
-        scales = [1.0 if value is None and r == 0 else value for value in explicit]
         name = group.metadata.name or "tensor"
+        explicit = [unique_scale.get(i) for i in ids]
+        if statistics == "global" and r > 0 and None in explicit:
+            # Never per-tensor λ where global was asked: a hook was not reached.
+            raise incompatible(f"global RAM+ reached {name} without whole-model λ")
+        scales = [1.0 if value is None and r == 0 else value for value in explicit]
         inputs = {entry.id: entry.tensor for entry in group.non_base}
         run = current_run()
         rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
@@ -246,7 +250,7 @@ METHODS = (ram, ramplus)
 
 
 def is_ours(name: object) -> bool:
-    return isinstance(name, str) and name in {m.spec.name for m in METHODS}
+    return isinstance(name, str) and name in OURS
 
 
 # --- the planned merge task --------------------------------------------------

@@ -24,6 +24,7 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import output_conflict
 from mergekit_ram.integration.context import current_run, merge_run
 from mergekit_ram.integration.errors import click_errors
+from mergekit_ram.integration.host import bound
 from mergekit_ram.integration.methods import is_ours
 from mergekit_ram.integration.output_folder import staged_merge
 from mergekit_ram.integration.validation import (
@@ -71,20 +72,22 @@ def written(config_source: str | None) -> Any:
 
 
 def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
-    """mergekit's run_merge, checked and published file by file for RAM / RAM+."""
+    """mergekit's run_merge, checked and published file by file for RAM / RAM+;
+    for any other method mergekit knows, mergekit's own, arguments untouched."""
 
-    def run_merge(
-        merge_config: Any,
-        out_path: str,
-        options: Any,
-        config_source: str | None = None,
-    ) -> Any:
-        method = merge_config.merge_method
+    def run_merge(*args: Any, **kwargs: Any) -> Any:
+        merge_config = args[0] if args else kwargs.get("merge_config")
+        method = getattr(merge_config, "merge_method", None)
         known = method in {m.spec.name for m in registry.registered_methods()}
         if known and not is_ours(method):
-            return original(
-                merge_config, out_path, options=options, config_source=config_source
-            )
+            return original(*args, **kwargs)
+        call = bound(original, args, kwargs)
+        out_path, options = call.arguments["out_path"], call.arguments["options"]
+        config_source = call.arguments.get("config_source")
+
+        def merge(staged: str) -> Any:
+            call.arguments["out_path"] = staged
+            return original(*call.args, **call.kwargs)
 
         def check() -> None:
             run = current_run()
@@ -96,15 +99,6 @@ def guarded_run_merge(original: Callable[..., Any]) -> Callable[..., Any]:
                 check_config(merge_config, options, written(config_source))
             with merge_run() as run:
                 run.card_name = os.path.basename(out_path)  # as stock names it
-                staged_merge(
-                    out_path,
-                    lambda staged: original(
-                        merge_config,
-                        staged,
-                        options=options,
-                        config_source=config_source,
-                    ),
-                    check,
-                )
+                staged_merge(out_path, merge, check)
 
     return run_merge

@@ -21,10 +21,8 @@ tensor's, without mergekit's conversion, which walks every checkpoint key
 for every fused tensor. analyze's inner products keep mergekit's path (their
 float sums would run in another order).
 
-mergekit names read here that it does not publish: `MergePlanner._tensors`
-(the planned tasks), `LoadTensor._resolve_name` (which tensor a load reads),
-`architecture.conversion._iter_transform_matches` and `_expanded_target_keys`
-(which stored tensors a conversion takes, and what it names them).
+The mergekit and transformers names used here that mergekit does not
+publish are in `host.CONTRACT`, probed before anything is installed.
 """
 
 from __future__ import annotations
@@ -65,6 +63,7 @@ from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 from mergekit_ram.integration.checkpoints import safetensors_header, safetensors_spans
 from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
+from mergekit_ram.integration.host import bound
 from mergekit_ram.integration.methods import as_ram_task, is_ours
 from mergekit_ram.integration.validation import check_plan, resolved_values
 
@@ -473,17 +472,25 @@ class _Planned(Exception):
     one argument: the planned merge tasks."""
 
 
+def _ours(planner: MergePlanner) -> bool:
+    """Whether a planner plans a RAM merge (read with defaults: nothing of a
+    stock merge's planner is required)."""
+    return is_ours(getattr(getattr(planner, "config", None), "merge_method", None))
+
+
 def patched_plan(original):
-    def _plan(self: MergePlanner) -> None:
-        original(self)
+    def _plan(self: MergePlanner, *args: Any, **kwargs: Any) -> Any:
+        planned = original(self, *args, **kwargs)
+        if not _ours(self):
+            return planned
         # Outside run_merge (a planner used directly) the plan gets a run of
         # its own, held by its tasks only.
         run = current_run() or MergeRun()
         merges = [task for _, task in self._tensors]
         if run.plan_only:
             raise _Planned(merges)
-        if not is_ours(self.config.merge_method) or not merges:
-            return
+        if not merges:
+            return planned
         # Every rule on the resolved parameters, once, before any weight is read.
         settings, explicit = check_plan(merges, run.findings)
         run.values = resolved_values(merges)
@@ -505,19 +512,23 @@ def patched_plan(original):
             (w, as_ram_task(t, w.force_dtype or out_dtype, run))
             for w, t in self._tensors
         ]
+        return planned
 
     return _plan
 
 
 def patched_plan_to_disk(original):
-    def plan_to_disk(self: MergePlanner, out_path: str) -> list[Task]:
-        tasks = original(self, out_path)
+    def plan_to_disk(self: MergePlanner, *args: Any, **kwargs: Any) -> list[Task]:
+        tasks = original(self, *args, **kwargs)
+        if not _ours(self):
+            return tasks
         # The merge a planned RAM merge belongs to, from its tasks: nothing
         # of ours is set on mergekit's planner.
         run = next((getattr(t, "_run", None) for _, t in self._tensors), None)
         if run is None or (run.tally is None and run.result is None):
             return tasks
         finalize = next(t for t in tasks if isinstance(t, FinalizeModel))
+        out_path = bound(original, (self, *args), kwargs).arguments["out_path"]
         write = WriteStatistics(out_path=out_path, finalize=finalize)
         write._run = run
         return tasks + [write]
@@ -534,8 +545,6 @@ def plan_merges(config: Any, options: Any) -> list[Any]:
     or its own ones (DELLA's epsilon, ...) read as ours."""
     from mergekit import merge
 
-    if not hasattr(MergePlanner._plan, "__mergekit_ram__"):  # stops run_merge
-        raise RuntimeError("mergekit-ram is not installed: call mergekit_ram.install()")
     config = config.model_copy(deep=True)
     if not is_ours(config.merge_method):
         config.merge_method = "ramplus"
