@@ -139,7 +139,9 @@ def nobody(tmp_path):
     env = {
         "PYTHONPATH": os.pathsep.join([*path, str(Path(filelock.__file__).parents[1])])
     }
-    probe = [*prefix, "--clear-groups", sys.executable, "-c", "import mergekit_ram"]
+    # What the driver imports (the package, filelock, safetensors), not less.
+    driver = "import mergekit_ram.integration.output_folder"
+    probe = [*prefix, "--clear-groups", sys.executable, "-c", driver]
     if subprocess.run(probe, env={**os.environ, **env}).returncode != 0:
         pytest.skip("no Python and package here that `nobody` may run")
     root = Path(tempfile.mkdtemp(prefix="mergekit-ram-nobody-"))
