@@ -78,6 +78,14 @@ def test_a_failed_install_undoes_every_change(uninstalled, monkeypatch):
     assert not install._installed
 
 
+def test_a_bug_of_ours_while_installing_keeps_its_traceback(uninstalled, monkeypatch):
+    """Only the host's missing names are an incompatible mergekit."""
+    ours = "mergekit_ram.integration.publishing"
+    monkeypatch.setitem(sys.modules, ours, None)
+    with pytest.raises(ModuleNotFoundError, match=ours):
+        mergekit_ram.install()
+
+
 @pytest.fixture
 def changed(uninstalled, monkeypatch):
     """A mergekit whose align_dtype moved: nothing installs."""

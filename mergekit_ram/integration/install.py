@@ -66,7 +66,9 @@ def _install(card_section: Callable[[Any], str]) -> None:
         from mergekit_ram.integration.card import card_hooks
         from mergekit_ram.integration.methods import METHODS
         from mergekit_ram.integration.publishing import guarded_run_merge
-    except ImportError as error:  # a published name we import moved
+    except ImportError as error:  # a published name of the host's moved
+        if (error.name or "").split(".")[0] not in ("mergekit", "transformers"):
+            raise  # ours: a bug keeps its traceback
         raise incompatible(str(error)) from error
     described, local_is_hf = card_hooks(card_section)
     done: list = []
