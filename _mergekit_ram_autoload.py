@@ -50,15 +50,14 @@ def _loaded(name):
 
 
 class _Loader:
+    """The watched module's own loader, noting while it runs (create_module
+    and the rest are the inner loader's)."""
+
     def __init__(self, inner, name):
-        self._inner = inner
-        self._name = name
+        self._inner, self._name = inner, name
 
     def __getattr__(self, attr):
         return getattr(self._inner, attr)
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
 
     def exec_module(self, module):
         LOADING.add(self._name)
@@ -76,25 +75,19 @@ class _Finder:
         if name not in WATCHED:
             return None
         try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(name, path, target)
-                if spec is not None:
-                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                        spec.loader = _Loader(spec.loader, name)
-                    return spec
+            finders = [f for f in sys.meta_path if hasattr(f, "find_spec")]
+            found = (f.find_spec(name, path, target) for f in finders if f is not self)
+            spec = next(filter(None, found), None)
+            if spec is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader, name)
         except Exception:
             return None
-        return None
+        return spec
 
 
 def activate(installer):
     """Call `installer` ("module:function") when mergekit is imported."""
     global _installer
-    try:
-        _installer = installer
-        if enabled() and not any(isinstance(f, _Finder) for f in sys.meta_path):
-            sys.meta_path.insert(0, _Finder())
-    except Exception:
-        pass
+    _installer = installer
+    if enabled() and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -70,14 +70,10 @@ CHANGES: dict[str, list[tuple[str, str]]] = {
 }
 # What a merge that asks for ram / ramplus does on each: merged as on the
 # unchanged host ("same"), or refused with the contract's message.
-SAME = {
-    "none",
-    "plan_to_disk gains a keyword its caller passes",
-    "run_merge gains a keyword its caller passes",
-    "generate_card(config_yaml=) renamed",
-    "registry._METHODS renamed",
-    "ram.ram_merge renamed",
-}
+SAME = {"none", "generate_card(config_yaml=) renamed", "registry._METHODS renamed"}
+SAME |= {"ram.ram_merge renamed", "plan_to_disk gains a keyword its caller passes"}
+SAME |= {"run_merge gains a keyword its caller passes"}
+SAME |= {"conversion._iter_transform_matches renamed"}  # no longer relied on
 REFUSED = "cannot install into mergekit"
 
 
@@ -92,9 +88,8 @@ def host_copy(root: Path, change: str) -> Path:
         for module in copy.rglob("*.py"):
             text = module.read_text(encoding="utf-8")
             new, count = re.subn(pattern, replacement, text, flags=re.S)
-            if count:
-                module.write_text(new, encoding="utf-8")
-                hits += count
+            module.write_text(new, encoding="utf-8")
+            hits += count
         assert hits, f"{change}: {pattern!r} matched nothing"
     return root
 
@@ -107,17 +102,14 @@ def _files(out: Path) -> dict[str, str] | None:
     if not out.exists():
         return None
     found = {}
-    for path in sorted(out.rglob("*")):
-        if not path.is_file() or ".mergekit-ram" in path.parts:
-            continue
-        data = path.read_bytes()
+    for path in sorted(p for p in out.rglob("*") if ".mergekit-ram" not in p.parts):
+        data = path.read_bytes() if path.is_file() else None
         if path.name == "ram_statistics.json":
-            document = json.loads(data)
-            document.pop("seconds")
-            data = json.dumps(document).encode()
+            data = json.dumps({**json.loads(data), "seconds": None}).encode()
         if path.name == "README.md":
             data = b"\n".join(sorted(data.splitlines()))
-        found[str(path.relative_to(out))] = hashlib.sha256(data).hexdigest()
+        if data is not None:
+            found[str(path.relative_to(out))] = hashlib.sha256(data).hexdigest()
     return found
 
 
@@ -133,24 +125,6 @@ def _run(out: Path, call) -> dict:
     except Exception as exception:
         code, error = None, f"{type(exception).__name__}: {exception}"
     return {"code": code, "error": error, "files": _files(out)}
-
-
-def _state_dicts(config: dict) -> dict:
-    from safetensors.torch import load_file
-
-    paths = [config["base_model"]] + [m["model"] for m in config["models"]]
-    return {p: load_file(os.path.join(p, "model.safetensors")) for p in paths}
-
-
-def _saved(merge):
-    def call(out: str) -> None:
-        from safetensors.torch import save_file
-
-        merged = merge()
-        os.makedirs(out)
-        save_file(merged, os.path.join(out, "model.safetensors"))
-
-    return call
 
 
 def entry_points(configs: dict[str, str], plugin: bool) -> dict:
@@ -179,17 +153,20 @@ def entry_points(configs: dict[str, str], plugin: bool) -> dict:
         return call
 
     def state_dicts(module: str):
+        from safetensors.torch import load_file, save_file
+
         config = yaml.safe_load(Path(configs["ramplus"]).read_text(encoding="utf-8"))
+        paths = [config["base_model"]] + [m["model"] for m in config["models"]]
 
-        def merge():
-            function = importlib.import_module(module).merge_state_dicts
-            models = _state_dicts(config)
+        def call(out: str) -> None:
+            merge = importlib.import_module(module).merge_state_dicts
+            models = {p: load_file(os.path.join(p, "model.safetensors")) for p in paths}
             params = config.get("parameters", {})
-            return function(
-                models, "ramplus", base=config["base_model"], parameters=params
-            )
+            merged = merge(models, "ramplus", base=paths[0], parameters=params)
+            os.makedirs(out)
+            save_file(merged, os.path.join(out, "model.safetensors"))
 
-        return _saved(merge)
+        return call
 
     runs = {"mergekit-yaml linear": cli("mergekit.scripts.run_yaml", configs["linear"])}
     if not plugin:

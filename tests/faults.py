@@ -1,13 +1,15 @@
 """Interrupting a real process at its Nth file-system step while it publishes.
 
-`run_interrupted` starts a child that replaces the `os` module seen by
-mergekit_ram.integration.output_folder with a proxy counting every mkdir,
-makedirs, rename, replace, link, symlink, unlink, rmdir, fsync and write.
-At step N the child sends itself SIGKILL, or SIGTERM / SIGINT / SIGHUP to
+A `Driver` is one process that forks a child for each run (a run then costs
+milliseconds, not an interpreter's start-up). The child replaces the `os`
+module seen by mergekit_ram.integration.output_folder with a proxy counting
+every mkdir, makedirs, rename, replace, link, symlink, unlink, rmdir, fsync
+and write. At step N it sends itself SIGKILL, or SIGTERM / SIGINT / SIGHUP to
 its main thread (odd N: to an idle thread, since a signal may land on any
-thread of a merge and Python then handles it in the main thread), waits
-until it is delivered (the wakeup fd), so that the step itself never runs.
-Step 0 never interrupts: the child prints how many steps its run took.
+thread of a merge and Python then handles it in the main thread), waits until
+it is delivered (the wakeup fd), so that the step itself never runs. Step 0
+never interrupts: the child prints how many steps its run took. `sweep`
+interrupts runs at every step and checks what each leaves.
 
 Also what every publishing test shares: a stand-in merge that writes a few
 files, OUT holding a user's files (notes, a `.git`, a link, a read-only
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import signal
 import stat
@@ -28,10 +31,8 @@ from pathlib import Path
 
 import pytest
 
-import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import staged_merge
 
-TIMEOUT = 300
 SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP")
 # Nothing is held: SIGTERM and SIGHUP end the run with 128 + their number,
 # Ctrl-C with Python's KeyboardInterrupt (the driver exits 130 on it, click
@@ -65,9 +66,10 @@ NEWER = {**NEW, "model.safetensors": "newer weights"}
 USER = ("notes.txt", "eval", "latest", ".git", "frozen.txt")
 
 
-def tree(folder: Path) -> dict[str, str]:
-    """Every entry under folder but our own: sha256 of files, link targets,
-    'dir' (with a read-only mark), never following a link."""
+def tree(folder: Path, present: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every entry under folder but our own: sha256 of files ('present' for
+    those named in `present`), link targets, 'dir', a read-only mark, never
+    following a link."""
     found = {}
     for path in sorted(folder.rglob("*")):
         name = str(path.relative_to(folder))
@@ -79,18 +81,14 @@ def tree(folder: Path) -> dict[str, str]:
             found[name] = "dir"
         else:
             mode = "ro " if not os.stat(path).st_mode & stat.S_IWUSR else ""
-            found[name] = mode + hashlib.sha256(path.read_bytes()).hexdigest()
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+            found[name] = mode + ("present" if path.name in present else sha)
     return found
 
 
 def writer(files: dict[str, str]):
     """A stand-in for mergekit: writes `files` into the staged folder."""
-
-    def write(staged: str) -> None:
-        for name, text in files.items():
-            Path(staged, name).write_text(text)
-
-    return write
+    return lambda staged: [Path(staged, n).write_text(t) for n, t in files.items()]
 
 
 def failing(staged: str) -> None:
@@ -155,14 +153,6 @@ def ours_left(out: Path) -> list[str]:
     return left
 
 
-def long_path(root: Path, length: int) -> Path:
-    """A path of `length` characters below root, in names of up to 200."""
-    path = str(root)
-    while len(path) < length:
-        path += "/" + "d" * min(200, length - len(path) - 1)
-    return Path(path)
-
-
 def default_signals() -> None:
     """A signalled child's SIGINT, SIGTERM and SIGHUP as a terminal starts it
     (Python then raises KeyboardInterrupt on Ctrl-C), whatever this process
@@ -205,77 +195,37 @@ def raise_on(monkeypatch, owner, name: str, error: BaseException, when) -> None:
     monkeypatch.setattr(owner, name, failing)
 
 
-WRITING = """
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("output_folder", sys.argv[1])
-folder = sys.modules["output_folder"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(folder)
-def write(staged):
-    print("WRITING", flush=True)
-    time.sleep(600)
-folder.staged_merge(sys.argv[2], write)
-"""
-
-
-def writing(out: Path, started=default_signals) -> subprocess.Popen:
-    """A child process holding OUT as a merge in progress does (the protocol
-    alone, loaded by path: it starts in a blink)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITING, output_folder.__file__, str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=started,
-    )
-    assert proc.stdout.readline().strip() == "WRITING", proc.stderr.read()
-    return proc
-
-
-def check_exit(how: str, code: int, state: str, output: str) -> None:
-    """A signal other than SIGKILL: one line that says truly where OUT stands."""
-    assert code in EXITS[how], (how, code, output)
-    assert SAID[state] in output and "Traceback" not in output, (how, state, output)
-
-
+# argv: the mode ("protocol": staged_merge of [out, {name: text}], or
+# "mergekit-yaml": its argv); stdin: one [step, signal, *args] per run; stdout:
+# [exit code, output] per run.
 DRIVER = """
-import importlib.util, os, signal, sys, threading
+import json, os, signal, sys, threading, traceback
 from pathlib import Path
-
-step, how, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-args = sys.argv[4:]
-if mode == "protocol":  # output_folder alone, loaded by path: starts in a blink
-    spec = importlib.util.spec_from_file_location("output_folder", args[0])
-    folder = importlib.util.module_from_spec(spec)
-    sys.modules["output_folder"] = folder
-    spec.loader.exec_module(folder)
-else:
-    import mergekit_ram.integration.output_folder as folder
-
+import mergekit_ram.integration.output_folder as folder
 STEPS = (
     "mkdir", "makedirs", "rename", "replace", "link", "symlink", "unlink", "rmdir",
     "fsync", "write",
 )
-idle = threading.Thread(target=threading.Event().wait, daemon=True)
-idle.start()
-# A Python-level handler's C half writes each signal here: reading it tells
-# that the signal was delivered, so Python handles it at its next step in
-# the main thread, whichever thread received it.
-delivered, wakeup = os.pipe()
-os.set_blocking(wakeup, False)
-signal.set_wakeup_fd(wakeup)
+if sys.argv[1] == "mergekit-yaml":  # each tensor merged is a step too
+    import mergekit_ram.integration.methods as methods
+    from mergekit.scripts.run_yaml import main
+    KERNEL = methods.ram_merge_tensor
 
 
-class Faulty:
-    count = 0
+def run(step, how, args):
+    count, idle = [0], threading.Thread(target=threading.Event().wait, daemon=True)
+    idle.start()
+    # A Python-level handler's C half writes each signal here: reading it
+    # tells that the signal was delivered, so Python handles it at its next
+    # step in the main thread, whichever thread received it.
+    delivered, wakeup = os.pipe()
+    os.set_blocking(wakeup, False)
+    signal.set_wakeup_fd(wakeup)
 
-    def __getattr__(self, name):
-        real = getattr(os, name)
-        if name not in STEPS:
-            return real
-
+    def counted(real):
         def step_then(*a, **k):
-            Faulty.count += 1
-            if Faulty.count == step:
+            count[0] += 1
+            if count[0] == step:
                 if how == "SIGKILL":
                     os.kill(os.getpid(), signal.SIGKILL)
                 # To the main thread, or to another one (odd steps).
@@ -286,70 +236,119 @@ class Faulty:
 
         return step_then
 
+    class Faulty:
+        def __getattr__(self, name):
+            return counted(getattr(os, name)) if name in STEPS else getattr(os, name)
 
-folder.os = Faulty()
-try:
-    if mode == "protocol":
-        out, files = args[1], args[2]
+    folder.os = Faulty()
+    try:  # exits as the interpreter would
+        if sys.argv[1] == "mergekit-yaml":
+            methods.ram_merge_tensor = counted(KERNEL)
+            main(args)  # click exits
+        out, files = args
+        write = lambda staged: [Path(staged, n).write_text(files[n]) for n in files]
+        folder.staged_merge(out, write)
+        return 0
+    except SystemExit as done:
+        return done.code or 0
+    except KeyboardInterrupt:  # the run printed its line: exit as a shell would
+        return 130
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        print("STEPS", count[0], flush=True)
 
-        def write(staged):
-            for line in files.split(";"):
-                name, text = line.split("=")
-                Path(staged, name).write_text(text)
 
-        try:
-            folder.staged_merge(out, write)
-        except KeyboardInterrupt:  # the run printed its line: exit as a shell would
-            sys.exit(130)
-    else:
-        from mergekit.scripts.run_yaml import main
-
-        main(args)
-finally:
-    print("STEPS", Faulty.count, flush=True)
+for line in sys.stdin:
+    step, how, *args = json.loads(line)
+    output, into = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(into, 1)
+        os.dup2(into, 2)
+        signal.alarm(300)  # a dropped signal: killed, never a hang
+        code = run(step, how, args)
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(into)
+    with open(output, errors="replace") as child:
+        said = child.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps([code, said]), flush=True)
 """
 
 
-def run_protocol(folder: Path, out: Path, step: int, how: str, **options):
-    """run_interrupted of the protocol alone, publishing NEW into out."""
-    files = ";".join(f"{k}={v}" for k, v in NEW.items())
-    args = [output_folder.__file__, str(out), files]
-    return run_interrupted(folder, step, how, "protocol", args, **options)
+class Driver:
+    """Runs interrupted at a step, each in a child forked by one process
+    (`prefix`: e.g. setpriv, to run it as another user)."""
+
+    def __init__(self, mode="protocol", prefix=(), env=None):
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-c", DRIVER, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=default_signals,
+            env={**os.environ, **(env or {})},
+        )
+
+    def run(self, step: int, how: str, *args) -> tuple[int, str, int | None]:
+        """(exit code, output, steps counted) of one run."""
+        print(json.dumps([step, how, *args]), file=self.proc.stdin, flush=True)
+        code, output = json.loads(self.proc.stdout.readline())
+        # A late signal may cut the child's last line short: only a whole one counts.
+        counted = [line.split() for line in output.splitlines()]
+        counted = [int(w[1]) for w in counted if len(w) == 2 and w[0] == "STEPS"]
+        return code, output, counted[-1] if counted else None
+
+    def publish(self, out: Path, step: int, how: str):
+        """A run of the protocol alone, publishing NEW into out."""
+        return self.run(step, how, str(out), NEW)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
-def run_interrupted(
-    folder: Path,
-    step: int,
-    how: str,
-    mode: str,
-    args: list[str],
-    *,
-    env: dict[str, str] | None = None,
-    prefix: tuple[str, ...] = (),
-    python: str = sys.executable,
-) -> tuple[int, str, int | None]:
-    """(exit code, output, steps counted) of one child run (`prefix`: e.g.
-    setpriv, to run it as another user, with a `python` that user can run)."""
-    driver = folder / "fault_driver.py"
-    if not driver.exists():
-        driver.write_text(DRIVER, encoding="utf-8")
-        driver.chmod(0o644)
-    proc = subprocess.run(
-        [*prefix, python, str(driver), str(step), how, mode, *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        preexec_fn=default_signals,
-        env={
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-            **(env or {}),
-        },
-    )
-    output = proc.stdout + proc.stderr
-    # A late signal may cut the child's last line short: only a whole one counts.
-    counted = [line.split() for line in proc.stdout.splitlines()]
-    counted = [int(w[1]) for w in counted if len(w) == 2 and w[0] == "STEPS"]
-    steps = counted[-1] if counted else None
-    return proc.returncode, output, steps
+def settled(found: dict | None, states: dict, user=USER) -> str:
+    """Which state OUT is in: a name in `states` (their tree(), None: no
+    OUT), or "half": a folder without config.json holding only files of the
+    old and new merges, the user's (top-level names in `user`) as they were."""
+    name = next((k for k, v in states.items() if v == found), None)
+    if name is not None:
+        return name
+    assert found is not None and "config.json" not in found, found
+    old, new = states["old"] or {}, states["new"]
+    for name, value in found.items():
+        if name.split(os.sep)[0] not in user:
+            assert value in (old.get(name), new.get(name)), name
+    users = [
+        {k: v for k, v in t.items() if k.split(os.sep)[0] in user} for t in (found, new)
+    ]
+    assert users[0] == users[1], found
+    return "half"
+
+
+def sweep(run, steps, fresh, state, fail, succeed, final="new", every_signal=False):
+    """run(fresh OUT, step, signal) interrupted at every step (with each
+    signal, or with one taking turns); a signal but SIGKILL ends it with one
+    line saying truly where OUT stands; then fail(OUT) leaves OUT's state(),
+    succeed(OUT) leaves the `final` state; never anything of ours left. The
+    set of states seen."""
+    seen = set()
+    for step in range(1, steps + 1):
+        for how in SIGNALS if every_signal else [SIGNALS[step % len(SIGNALS)]]:
+            out = fresh(f"{step}-{how}")
+            code, output, _ = run(out, step, how)
+            found = state(out)
+            seen.add(found)
+            assert code in EXITS[how], (step, how, code, output[-2000:])
+            if how != "SIGKILL":
+                assert SAID[found] in output, (step, how, found, output[-2000:])
+                assert "Traceback" not in output, (step, how, output[-2000:])
+            fail(out)
+            assert state(out) == found and ours_left(out) == [], (step, how)
+            succeed(out)
+            assert state(out) == final and ours_left(out) == [], (step, how)
+    return seen

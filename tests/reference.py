@@ -24,9 +24,7 @@ def counts(base, tasks, epsilon):
 
 def csu(per_tensor, n):
     """Whole-model C, S, U and k-way histogram per task, by definition."""
-    C = [0] * n
-    S = [0] * n
-    hist = [[0] * n for _ in range(n)]
+    C, S, hist = [0] * n, [0] * n, [[0] * n for _ in range(n)]
     for _tau, m, c in per_tensor.values():
         for t in range(n):
             C[t] += int(m[t].sum())
@@ -83,9 +81,8 @@ def merge(
         unique = c == 1
         delta = torch.zeros_like(tau[0])
         for t in range(n):
-            contrib = torch.where(
-                unique, tau[t] * lams[t], tau[t] / c.clamp(min=1).float()
-            )
+            mean = tau[t] / c.clamp(min=1).float()
+            contrib = torch.where(unique, tau[t] * lams[t], mean)
             delta = delta + torch.where(m[t], contrib, torch.zeros_like(contrib))
         result = base[name].float() + delta
         if shared == "base":

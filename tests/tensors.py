@@ -58,9 +58,7 @@ def _set_edges(base: torch.Tensor, deltas: list[torch.Tensor], epsilon: float):
         flat[1][5] = 0.75  # unique for task 1
 
 
-def cast(
-    base: torch.Tensor, tasks: Sequence[torch.Tensor], dtype: torch.dtype
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def cast(base: torch.Tensor, tasks: Sequence[torch.Tensor], dtype: torch.dtype):
     return base.to(dtype), [t.to(dtype) for t in tasks]
 
 
@@ -87,12 +85,7 @@ def as_dicts(base: torch.Tensor, tasks: Sequence[torch.Tensor], name: str = "w")
     return {name: base}, [{name: t} for t in tasks]
 
 
-def state_dicts(
-    profiles: dict[str, tuple[Sequence[int], Sequence[float]]],
-    *,
-    seed: int,
-    scale: float = 0.01,
-) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+def state_dicts(profiles: dict, *, seed: int, scale: float = 0.01):
     """Base and task state dicts; profiles: name -> (shape, per-task densities)."""
     n = len(next(iter(profiles.values()))[1])
     base: dict[str, torch.Tensor] = {}

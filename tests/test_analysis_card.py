@@ -28,9 +28,8 @@ def worked_example(inner_products: bool = False) -> OverlapStatistics:
 def card(saturation="clip", inner_products=False, tally=None) -> str:
     """The card section for the worked example under the paper's r and alpha."""
     stats = worked_example(inner_products)
-    settings = MergeSettings(
-        epsilon=1e-5, r=0.1, alpha=2.0, saturation=saturation, statistics="global"
-    )
+    rule = dict(r=0.1, alpha=2.0, saturation=saturation, statistics="global")
+    settings = MergeSettings(epsilon=1e-5, **rule)
     return card_section(settings, stats, stats.scales(settings.rule), tally)
 
 
@@ -42,9 +41,8 @@ def test_card_section_says_what_each_number_is():
     assert "(epsilon = 1e-05, r = 0.1, clip rule, alpha = 2)" in section
     assert "| t1 | 37.50 % | 33.33 % | 66.67 % | 2.0000 | 1.2000 | 25.0 % |" in section
     assert "| t3 | 25.00 % | 50.00 % | 50.00 % | 1.0000 | 1.1000 | – |" in section
-    legend = {
-        line.split("*")[1]: line for line in section.splitlines() if line[:3] == "- *"
-    }
+    lines = [line for line in section.splitlines() if line[:3] == "- *"]
+    legend = {line.split("*")[1]: line for line in lines}
     assert "share of all the parameters" in legend["changed"]
     assert "shares of that agent's own changes" in legend["unique"]
     survives = legend["λ survives"]
@@ -61,10 +59,8 @@ def test_card_carries_the_verdict(inner_products):
     agent RAM dilutes; a merge's own pass has none, and it says where to look."""
     lines = card(inner_products=inner_products).splitlines()
     (line,) = [x for x in lines if x.startswith("**Verdict:** ")]
-    if inner_products:
-        assert "RAM would dilute" in line
-    else:
-        assert "run mergekit-ram analyze on this configuration" in line
+    where = "run mergekit-ram analyze on this configuration"
+    assert ("RAM would dilute" if inner_products else where) in line
 
 
 def test_card_gives_the_repository_the_package_declares(monkeypatch):

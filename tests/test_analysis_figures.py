@@ -43,20 +43,10 @@ def make_report(densities, shapes, seed=0, inner_products=True) -> dict:
             keep = torch.rand(shape, generator=g) < density * skew
             tasks[f"/models/agent{t}"] = base + 0.01 * keep
         stats.add(name, base, tasks)
-    analysis = Analysis(
-        "ramplus",
-        "/models/base",
-        PAPER_DEFAULTS,
-        stats,
-        stats.scales(PAPER_DEFAULTS.rule),
+    scales = stats.scales(PAPER_DEFAULTS.rule)
+    return build_report(
+        Analysis("ramplus", "/models/base", PAPER_DEFAULTS, stats, scales)
     )
-    return build_report(analysis)
-
-
-def pixels(path):
-    image = Image.open(path)
-    assert image.format == "PNG"
-    return image
 
 
 def rgb(image) -> np.ndarray:
@@ -83,9 +73,10 @@ def drawn(report, folder) -> dict:
     size, none blank."""
     names = figures.write_figures(report, str(folder))
     assert names == list(figures.FIGURES)
-    images = {name: pixels(folder / name) for name in names}
+    images = {name: Image.open(folder / name) for name in names}
     for name, image in images.items():
         width, height = figures.FIGURES[name]
+        assert image.format == "PNG"
         assert image.size == (round(width * figures.DPI), round(height * figures.DPI))
         assert_not_blank(image)
     return images
@@ -103,19 +94,19 @@ def test_figures_show_the_data(tmp_path):
     other = make_report([0.4, 0.1, 0.2], llama_names(3), seed=5)
     figures.write_figures(other, str(tmp_path / "other"))
     for name in figures.FIGURES:
-        first = (tmp_path / name).read_bytes()
-        assert first != (tmp_path / "other" / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() != (
+            tmp_path / "other" / name
+        ).read_bytes()
+
+
+# One task: every change unique, 1×1 Jaccard; a task identical to the base;
+# no layered tensors; more tasks than tab10 has colours.
+EDGES = [([0.3], 2), ([0.2, 0.0, 0.4], 2), ([0.2, 0.3], 0)]
+EDGES += [([0.05 * (i + 1) for i in range(12)], 2)]
 
 
 @pytest.mark.parametrize(
-    ("densities", "layers"),
-    [
-        ([0.3], 2),  # one task: every change unique, 1×1 Jaccard
-        ([0.2, 0.0, 0.4], 2),  # a task identical to the base
-        ([0.2, 0.3], 0),  # no layered tensors
-        ([0.05 * (i + 1) for i in range(12)], 2),  # more tasks than tab10 colours
-    ],
-    ids=["one-task", "empty-task", "no-layers", "twelve-tasks"],
+    ("densities", "layers"), EDGES, ids=["one", "empty", "no-layers", "twelve"]
 )
 def test_edge_cases_still_draw(densities, layers, tmp_path):
     drawn(make_report(densities, llama_names(layers)), tmp_path)

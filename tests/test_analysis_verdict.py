@@ -25,34 +25,27 @@ RESULTS = Path(__file__).parent.parent / "benchmarks/agents/results/results.json
 UP, DOWN = 1.001, 0.999  # just above / just below a threshold
 
 
-@pytest.mark.parametrize(
-    ("lift", "inside", "kind"),
-    [
-        (1.0, NESTED * UP, "nested"),
-        (1.0, NESTED * DOWN, "independent"),
-        (OVERLAPPING * UP, 0.5, "overlapping"),
-        (OVERLAPPING * DOWN, 0.5, "independent"),
-        (1 / OVERLAPPING * DOWN, 0.1, "disjoint"),
-        (1 / OVERLAPPING * UP, 0.1, "independent"),
-        (None, 0.0, "disjoint"),
-        (3.0, NESTED * UP, "nested"),  # nested wins over overlapping
-    ],
-)
+OV, NE = OVERLAPPING, NESTED
+PAIRS = [(1.0, NE * UP, "nested"), (1.0, NE * DOWN, "independent")]
+PAIRS += [(OV * UP, 0.5, "overlapping"), (OV * DOWN, 0.5, "independent")]
+PAIRS += [(1 / OV * DOWN, 0.1, "disjoint"), (1 / OV * UP, 0.1, "independent")]
+PAIRS += [(None, 0.0, "disjoint"), (3.0, NE * UP, "nested")]  # nested over overlapping
+
+
+@pytest.mark.parametrize(("lift", "inside", "kind"), PAIRS)
 def test_pair_supports_on_both_sides_of_each_threshold(lift, inside, kind):
     assert pair_supports(lift, inside) == kind
 
 
-@pytest.mark.parametrize(
-    ("observed", "expected", "departure"),
-    [
-        (0.2, 0.2 * OVERLAPPING * UP, "below"),
-        (0.2, 0.2 * OVERLAPPING * DOWN, None),
-        (0.3 * OVERLAPPING * UP, 0.3, "above"),
-        (0.3 * OVERLAPPING * DOWN, 0.3, None),
-        (0.193, 0.188, None),  # the demo's coder: observed ≈ expected
-        (None, 0.3, None),
-    ],
-)
+SHARES = [(0.2, 0.2 * OVERLAPPING * UP, "below"), (0.2, 0.2 * OVERLAPPING * DOWN, None)]
+SHARES += [
+    (0.3 * OVERLAPPING * UP, 0.3, "above"),
+    (0.3 * OVERLAPPING * DOWN, 0.3, None),
+]
+SHARES += [(0.193, 0.188, None), (None, 0.3, None)]  # the demo's coder: ≈ expected
+
+
+@pytest.mark.parametrize(("observed", "expected", "departure"), SHARES)
 def test_unique_share_departure_on_both_sides(observed, expected, departure):
     assert unique_share_departure(observed, expected) == departure
 
@@ -60,16 +53,13 @@ def test_unique_share_departure_on_both_sides(observed, expected, departure):
 def verdict_on(models, labels, changed, intersection, lift, kept, **options):
     """judge on a report with these numbers; `kept`: each model's retention
     under RAM, None when the report has none (a merge's own pass)."""
+    rows = zip(models, labels, changed, kept or [None] * len(models))
     tasks = [
-        {"model": m, "label": name, "changed": c, "retention": {"ram": k}}
-        for m, name, c, k in zip(models, labels, changed, kept or [None] * len(models))
+        dict(model=m, label=x, changed=c, retention={"ram": k}) for m, x, c, k in rows
     ]
-    report = {
-        "epsilon": options.pop("epsilon", 1e-5),
-        "tasks": tasks,
-        "pairwise": {"intersection": intersection, "lift": lift},
-        "retention": None if kept is None else {"methods": ["ram"]},
-    }
+    pairwise = {"intersection": intersection, "lift": lift}
+    report = dict(epsilon=options.pop("epsilon", 1e-5), tasks=tasks, pairwise=pairwise)
+    report["retention"] = None if kept is None else {"methods": ["ram"]}
     return judge(report, **options)
 
 
@@ -81,69 +71,53 @@ def three(kept, lift=1.0, changed=(100, 100, 100), **options):
     def cell(s, t, value):
         return None if 0 in (changed[s], changed[t]) else value
 
-    inter = [
-        [cell(s, t, 100 if s == t else 20 * lift) or 0 for t in range(3)]
-        for s in range(3)
-    ]
-    lifts = [[cell(s, t, 1.0 if s == t else lift) for t in range(3)] for s in range(3)]
-    models = ["/m/a", "/m/b", "/m/c"]
+    grid = [(s, t) for s in range(3) for t in range(3)]
+    inter = [cell(s, t, 100 if s == t else 20 * lift) or 0 for s, t in grid]
+    lifts = [cell(s, t, 1.0 if s == t else lift) for s, t in grid]
+    inter, lifts = ([m[i : i + 3] for i in (0, 3, 6)] for m in (inter, lifts))
     labels = ["a", "b", "c"]
+    models = [f"/m/{x}" for x in labels]
     return verdict_on(models, labels, list(changed), inter, lifts, kept, **options)
 
 
-def test_one_agent_diluted_alone_or_with_the_others():
-    low = 0.6
-    alone = three([low, low / ALONE * UP, 0.8])
-    assert alone["diluted"] == ["/m/a"]
-    assert "RAM would dilute a (it keeps 0.60 of its task vector" in alone["sentence"]
-    together = three([low, low / ALONE * DOWN, 0.8])
-    assert together["diluted"] == ["/m/a", "/m/b"]
-    assert "RAM would dilute a and b about equally" in together["sentence"]
-    assert ", a most" in together["sentence"]
-    every = three([0.68, 0.70, 0.72])
-    assert every["diluted"] == ["/m/a", "/m/b", "/m/c"]
-    assert (
-        "every agent about equally (retention 0.68–0.72), a most" in every["sentence"]
-    )
+LOW, EVERY = 0.6, "every agent about equally (retention 0.68–0.72), a most"
+WHOLE = f"RAM keeps at least {KEPT_WHOLE:g} of every agent"
+ALONE_A = "RAM would dilute a (it keeps 0.60 of its task vector"
+DILUTED = [([LOW, LOW / ALONE * UP, 0.8], "a", ALONE_A)]
+DILUTED += [([LOW, LOW / ALONE * DOWN, 0.8], "ab", "dilute a and b about equally")]
+DILUTED += [([LOW, LOW / ALONE * DOWN, 0.8], "ab", "), a most")]
+DILUTED += [([0.68, 0.70, 0.72], "abc", EVERY)]
+DILUTED += [([KEPT_WHOLE * UP, 0.95, 1.02], "", WHOLE)]
+# Just below, the lowest is diluted (alone: the others keep ≥ 1/ALONE more).
+DILUTED += [([KEPT_WHOLE * DOWN, 1.05, 1.1], "a", "RAM would dilute a")]
+DILUTED += [(None, "", "mergekit-ram analyze")]  # no retention: where to get it
 
 
-def test_agents_kept_whole_are_not_diluted():
-    kept = three([KEPT_WHOLE * UP, 0.95, 1.02])
-    assert kept["diluted"] == []
-    assert f"RAM keeps at least {KEPT_WHOLE:g} of every agent" in kept["sentence"]
-    # Just below, the lowest is diluted (alone: the others keep ≥ 1/ALONE more).
-    below = three([KEPT_WHOLE * DOWN, 1.05, 1.1])
-    assert below["diluted"] == ["/m/a"]
-
-
-def test_without_retention_the_verdict_says_where_to_get_it():
-    verdict = three(None)
-    assert verdict["diluted"] == []
-    assert "mergekit-ram analyze" in verdict["sentence"]
+@pytest.mark.parametrize(("kept", "diluted", "said"), DILUTED)
+def test_which_agents_are_diluted_alone_together_or_none(kept, diluted, said):
+    verdict = three(kept)
+    assert verdict["diluted"] == [f"/m/{x}" for x in diluted]
+    assert said in verdict["sentence"]
 
 
 def test_advice_follows_the_case():
-    independent = three([0.6, 0.8, 0.8])
-    assert independent["supports"] == "independent"
-    assert "try `shared: ties`" in independent["sentence"]
-    assert MEASURED in independent["sentence"]  # the numbers are docs/analyze.md's
-    overlapping = three([0.6, 0.8, 0.8], lift=OVERLAPPING * UP)
-    assert overlapping["supports"] == "overlapping"
-    assert "`shared: ties`" in overlapping["sentence"]  # as a measured loss
-    assert MEASURED in overlapping["sentence"]
-    assert "try `shared: ties`" not in overlapping["sentence"]
-    equal = three([0.7, 0.7, 0.7])
-    assert "compare with tuned task arithmetic" in equal["sentence"]
-    assert "shared: ties" not in equal["sentence"]
+    # The numbers are docs/analyze.md's; overlapping: `shared: ties` as a loss.
+    for lift, supports in ((1.0, "independent"), (OVERLAPPING * UP, "overlapping")):
+        verdict = three([0.6, 0.8, 0.8], lift=lift)
+        said = verdict["sentence"]
+        assert verdict["supports"] == supports and MEASURED in said
+        assert "`shared: ties`" in said
+        assert ("try `shared: ties`" in said) == (supports == "independent")
+    equal = three([0.7, 0.7, 0.7])["sentence"]
+    assert "compare with tuned task arithmetic" in equal and "shared: ties" not in equal
 
 
 def test_mixed_supports_name_each_kind():
     # a ⊂ b (nested), a × c and b × c independent.
     intersection = [[10, 10, 2], [10, 50, 10], [2, 10, 20]]
     lift = [[1.0, 2.0, 1.0], [2.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
-    verdict = verdict_on(
-        ["a", "b", "c"], ["a", "b", "c"], [10, 50, 20], intersection, lift, None
-    )
+    abc = ["a", "b", "c"]
+    verdict = verdict_on(abc, abc, [10, 50, 20], intersection, lift, None)
     assert verdict["supports"] == "nested"
     kinds = [p["supports"] for p in verdict["pairs"]]
     assert kinds == ["nested", "independent", "independent"]
@@ -157,14 +131,8 @@ def test_one_task_model_and_one_that_changes_anything():
     one = verdict_on(["a"], ["a"], [5], [[5]], [[1.0]], [1.0])
     assert one["supports"] is None and one["pairs"] == [] and one["diluted"] == []
     assert one["sentence"].startswith("one task model")
-    idle = verdict_on(
-        ["a", "b"],
-        ["a", "b"],
-        [5, 0],
-        [[5, 0], [0, 0]],
-        [[1.0, None], [None, None]],
-        None,
-    )
+    lift = [[1.0, None], [None, None]]
+    idle = verdict_on(["a", "b"], ["a", "b"], [5, 0], [[5, 0], [0, 0]], lift, None)
     assert idle["supports"] is None and idle["diluted"] == []
     assert idle["sentence"].startswith(
         "only a changes anything above epsilon (1e-05); b changes nothing: there "
@@ -208,8 +176,8 @@ def test_agents_that_change_nothing_are_named_not_diluted():
         "of its task vector, the other 0.80);"
     )
     assert "dilute c" not in verdict["sentence"]
-    equal = three([0.7, 0.7, None], changed=(100, 100, 0))
-    assert "RAM would dilute every other agent about equally" in equal["sentence"]
+    equal = three([0.7, 0.7, None], changed=(100, 100, 0))["sentence"]
+    assert "RAM would dilute every other agent about equally" in equal
     whole = three([0.95, 1.0, 0.0], changed=(100, 100, 0))
     assert whole["diluted"] == []
     assert "RAM keeps at least 0.9 of every other agent's" in whole["sentence"]
@@ -240,14 +208,13 @@ def test_shared_ties_in_use_is_not_suggested():
 
 
 def regimes() -> dict:
-    with open(RESULTS, encoding="utf-8") as handle:
-        return json.load(handle)["regimes"]
+    return json.loads(RESULTS.read_text(encoding="utf-8"))["regimes"]
 
 
-@pytest.mark.parametrize(
-    ("regime", "supports"),
-    [("heterogeneous", "independent"), ("homogeneous", "overlapping")],
-)
+REGIMES = [("heterogeneous", "independent"), ("homogeneous", "overlapping")]
+
+
+@pytest.mark.parametrize(("regime", "supports"), REGIMES)
 def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     """On each regime's probe, the agent the verdict says RAM dilutes most is
     one whose task RAM lost most accuracy on against the best tuned
@@ -255,29 +222,22 @@ def test_verdict_names_the_agent_that_lost_accuracy(regime, supports):
     block = regimes()[regime]
     verdict = judge(block["probe"])
     assert verdict["supports"] == supports
-    rows = block["rows"]
-    loss = {
-        task: rows[block["reference"]][task]["correct"] - rows["ram"][task]["correct"]
-        for task in rows["ram"]
-    }
+    best, ram = block["rows"][block["reference"]], block["rows"]["ram"]
+    loss = {task: best[task]["correct"] - ram[task]["correct"] for task in ram}
     worst = {task for task, lost in loss.items() if lost == max(loss.values())}
     label = {t["model"]: t["label"] for t in block["probe"]["tasks"]}
     named = [label[m] for m in verdict["diluted"]]
-    assert named and named[0] in worst
-    assert worst <= set(named)
+    assert named and named[0] in worst and worst <= set(named)
     who = "recall (" if regime == "heterogeneous" else "every agent about equally"
     assert f"RAM would dilute {who}" in verdict["sentence"]
 
 
 # docs/analyze.md's table of what the verdict's advice rests on: (regime,
 # results.json row) → the table's merge column.
-MEASURED_ROWS = {
-    ("heterogeneous", "ram"): "RAM",
-    ("heterogeneous", "shared_ties"): "RAM, `shared: ties`",
-    ("homogeneous", "ram"): "RAM",
-    ("homogeneous", "ramplus_fp32"): "RAM+ written in float32",
-    ("homogeneous", "shared_ties"): "RAM, `shared: ties`",
-}
+TIES = "RAM, `shared: ties`"
+MEASURED_ROWS = {(r, "ram"): "RAM" for r in ("heterogeneous", "homogeneous")}
+MEASURED_ROWS |= {(r, "shared_ties"): TIES for r in ("heterogeneous", "homogeneous")}
+MEASURED_ROWS |= {("homogeneous", "ramplus_fp32"): "RAM+ written in float32"}
 BASELINES = {"task_arithmetic": "task arithmetic", "dare_ties": "DARE+TIES"}
 
 
@@ -299,11 +259,8 @@ def test_docs_quote_the_verdicts_and_the_numbers_as_computed():
         low, high = (round(100 * v, 1) for v in paired["ci95"])
         cited = f"{round(100 * paired['difference'], 1):+.1f} [{low:+.1f}, {high:+.1f}]"
         baseline = BASELINES[found[regime]["reference"]]
-        assert any(
-            r[0].startswith(regime) and r[1:] == (merge, baseline, cited)
-            for r in rows
-            if len(r) == 4
-        ), (regime, row, cited)
+        table = [r for r in rows if len(r) == 4 and r[0].startswith(regime)]
+        assert (merge, baseline, cited) in [r[1:] for r in table], (regime, row)
     kept = found["heterogeneous"]["support"]["retention"]
     assert (
         f"RAM {kept['ram']['recall']:.2f}, RAM with `shared: ties` "

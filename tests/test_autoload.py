@@ -37,34 +37,28 @@ def child_env(**extra: str) -> dict[str, str]:
 # Prints what a fresh interpreter ended up with, as JSON on the last line.
 REPORT = """
 import json, sys
-def _state():
-    from mergekit import merge_methods
-    plan = sys.modules.get("mergekit.plan")
-    merge = sys.modules.get("mergekit.merge")
+from mergekit import merge_methods
+def state():
+    plan, merge = (sys.modules.get("mergekit." + m) for m in ("plan", "merge"))
     out = {}
     for name in ("ram", "ramplus"):
-        method = merge_methods.get(name)  # ours: routed, installing first
-        out[name] = type(method).__module__ + "." + type(method).__name__
-    out["planner"] = plan is not None and all(
-        hasattr(getattr(plan.MergePlanner, f), "__mergekit_ram__")
-        for f in ("_plan", "plan_to_disk")
-    )
-    out["card"] = merge is not None and hasattr(
-        merge.generate_card, "__mergekit_ram__"
-    )
+        method = type(merge_methods.get(name))  # ours: routed, installing first
+        out[name] = method.__module__ + "." + method.__name__
+    names = ("_plan", "plan_to_disk") if plan else ()
+    ours = [hasattr(getattr(plan.MergePlanner, f), "__mergekit_ram__") for f in names]
+    out["planner"] = bool(ours) and all(ours)
+    out["card"] = hasattr(getattr(merge, "generate_card", None), "__mergekit_ram__")
     return out
-first = _state()
+first = state()
 import mergekit.merge, mergekit.plan
-final = _state()
-print(json.dumps({"first": first, "final": final}))
+print(json.dumps({"first": first, "final": state()}))
 """
 
+# Which module a fresh interpreter imports first.
 ORDERS = {
-    "merge_methods": "import mergekit.merge_methods",
-    "plan": "import mergekit.plan",
-    "merge": "import mergekit.merge",
-    "mergekit_ram": "import mergekit_ram",
+    name: f"import mergekit.{name}" for name in ("merge_methods", "plan", "merge")
 }
+ORDERS["mergekit_ram"] = "import mergekit_ram"
 
 AUTOLOAD_OFF = """
 import json, sys
@@ -72,16 +66,12 @@ from mergekit.merge_methods import get
 from mergekit.merge_methods.ram import ram_merge
 from mergekit.plan import MergePlanner
 try:
-    get("ramplus")
-    ramplus = "registered"
+    ramplus = get("ramplus") and "registered"
 except RuntimeError as error:
     ramplus = "RuntimeError: " + str(error)
-print(json.dumps({
-    "ramplus": ramplus,
-    "ram_is_stock": get("ram") is ram_merge,
-    "patched": hasattr(MergePlanner._plan, "__mergekit_ram__"),
-    "mergekit_ram_imported": "mergekit_ram" in sys.modules,
-}))
+patched = hasattr(MergePlanner._plan, "__mergekit_ram__")
+imported = "mergekit_ram" in sys.modules
+print(json.dumps([ramplus, get("ram") is ram_merge, patched, imported]))
 """
 
 
@@ -109,10 +99,7 @@ def cli_family(model_family):
 def launched(cli_family, tmp_path_factory):
     root = tmp_path_factory.mktemp("autoload")
     config = root / "ramplus.yml"
-    config.write_text(
-        cli_family.yaml("ramplus", parameters={"r": 0.3, "alpha": 1.0}),
-        encoding="utf-8",
-    )
+    config.write_text(cli_family.yaml("ramplus", parameters={"r": 0.3, "alpha": 1.0}))
     runs = Launched()
     commands = {
         tool: [str(BIN / tool), *args, str(config), str(root / tool)]
@@ -123,11 +110,9 @@ def launched(cli_family, tmp_path_factory):
     commands["off"] = [sys.executable, "-c", AUTOLOAD_OFF]
     for name, args in commands.items():
         env = child_env(MERGEKIT_RAM_AUTOLOAD="0") if name == "off" else child_env()
-        runs[name] = subprocess.Popen(
-            args, cwd=root, env=env, stdout=PIPE, stderr=PIPE, text=True
-        )
-    runs.root = root
-    runs.config = config
+        pipes = dict(stdout=PIPE, stderr=PIPE)
+        runs[name] = subprocess.Popen(args, cwd=root, env=env, text=True, **pipes)
+    runs.root, runs.config = root, config
     yield runs
     for proc in runs.values():
         proc.kill()
@@ -140,11 +125,8 @@ def test_three_entry_points_byte_identical(launched, tmp_path):
     byte for byte as mergekit-ram merge and run_merge do."""
     text = launched.config.read_text(encoding="utf-8")
     out = tmp_path / "python"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out),
-        MergeOptions(quiet=True),
-    )
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
     ours = read_json(out / "ram_statistics.json")
     ours.pop("seconds")
     assert ours["r"] == 0.3 and ours["alpha"] == 1.0
@@ -163,11 +145,9 @@ def test_three_entry_points_byte_identical(launched, tmp_path):
 
 @pytest.mark.slow
 def test_autoload_off_leaves_stock_mergekit(launched):
-    state = launched.json("off")
-    assert state["ramplus"].startswith("RuntimeError")
-    assert state["ram_is_stock"] is True
-    assert state["patched"] is False
-    assert state["mergekit_ram_imported"] is False
+    """ramplus unknown, ram stock's, nothing patched, mergekit_ram not imported."""
+    ramplus, *state = launched.json("off")
+    assert ramplus.startswith("RuntimeError") and state == [True, False, False]
 
 
 @pytest.mark.slow
@@ -175,10 +155,8 @@ def test_autoload_off_leaves_stock_mergekit(launched):
 def test_import_orders_end_registered_and_patched(launched, order):
     state = launched.json(order)
     for when in ("first", "final"):
-        assert state[when]["ram"] == OURS, when
-        assert state[when]["ramplus"] == OURS, when
-    assert state["final"]["planner"] is True
-    assert state["final"]["card"] is True
+        assert state[when]["ram"] == state[when]["ramplus"] == OURS, when
+    assert state["final"]["planner"] is True and state["final"]["card"] is True
     if order in ("plan", "merge"):
         # mergekit.plan was imported by the order itself: patched at once.
         assert state["first"]["planner"] is True
@@ -190,29 +168,19 @@ def test_hook_is_lazy_and_starts_in_below_50ms(tmp_path):
     of several starts, so a busy machine cannot make it flaky."""
     import _mergekit_ram_autoload
 
-    code = (
-        "import sys, json; print(json.dumps([m in sys.modules for m in "
-        "('mergekit', 'torch', 'mergekit_ram')] + "
-        "[sys.modules['_mergekit_ram_autoload'].__file__]))"
-    )
-    pattern = re.compile(
-        r"import time:\s+(\d+)\s+\|\s+(\d+)\s+\|\s+_mergekit_ram_autoload$"
-    )
-    timings = []
+    code = "import sys, json; print(json.dumps([m in sys.modules for m in "
+    code += "('mergekit', 'torch', 'mergekit_ram')] + "
+    code += "[sys.modules['_mergekit_ram_autoload'].__file__]))"
+    cumulative = r"import time:\s+\d+\s+\|\s+(\d+)\s+\|\s+_mergekit_ram_autoload$"
+    pattern = re.compile(cumulative)
+    timings, command = [], [sys.executable, "-X", "importtime", "-c", code]
     for _ in range(7):
-        done = subprocess.run(
-            [sys.executable, "-X", "importtime", "-c", code],
-            cwd=tmp_path,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=True,
-        )
+        options = dict(cwd=tmp_path, env=child_env(), timeout=TIMEOUT, check=True)
+        done = subprocess.run(command, capture_output=True, text=True, **options)
         *loaded, hook = json.loads(done.stdout)
         assert loaded == [False, False, False]
         assert Path(hook).resolve() == Path(_mergekit_ram_autoload.__file__).resolve()
         lines = [m for line in done.stderr.splitlines() if (m := pattern.search(line))]
         assert len(lines) == 1, done.stderr
-        timings.append(int(lines[0].group(2)))
+        timings.append(int(lines[0].group(1)))
     assert min(timings) < 50_000, timings

@@ -4,7 +4,6 @@ after a complete merge."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import subprocess
@@ -14,11 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from faults import ours_left, tmpfs
+from faults import ours_left, tmpfs, tree
 
 from mergekit_ram.commands.cli import main
 
-TIMEOUT = 300
 # Unset in a child that must see the hub as online and our autoload hook on.
 ONLINE_UNSET = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MERGEKIT_RAM_AUTOLOAD")
 
@@ -26,14 +24,6 @@ ONLINE_UNSET = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "MERGEKIT_RAM_AUTOLOAD
 @pytest.fixture(scope="module")
 def family(model_family):
     return model_family("publishing", seed=31)
-
-
-def hashes(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def write_config(path: Path, config: dict) -> Path:
@@ -87,13 +77,9 @@ def test_a_silent_hub_is_not_asked_about_local_folders(family, tmp_path):
         hub.listen(8)
         env["HF_ENDPOINT"] = f"http://127.0.0.1:{hub.getsockname()[1]}"
         env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HOME=str(tmp_path / "hf"))
+        command = [str(Path(sys.executable).parent / "mergekit-yaml"), "ram.yml", "out"]
         done = subprocess.run(
-            [str(Path(sys.executable).parent / "mergekit-yaml"), "ram.yml", "out"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
         hub.setblocking(False)
         with pytest.raises(BlockingIOError):
@@ -108,14 +94,14 @@ def test_report_folder_inside_an_input_is_refused(family, tmp_path, command):
     """Item 4: `merge --report` / `analyze --out` into an input model folder."""
     config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
     model = Path(family.paths["beta"])
-    before = hashes(model)
+    before = tree(model)
     args = [command, str(config)]
     args += [str(tmp_path / "out"), "--report"] if command == "merge" else ["--out"]
     result = CliRunner().invoke(main, [*args, str(model), "--quiet"])
     assert result.exit_code == 2, result.output
     assert "Error: The report folder" in result.output
     assert "Traceback" not in result.output
-    assert hashes(model) == before and not (tmp_path / "out").exists()
+    assert tree(model) == before and not (tmp_path / "out").exists()
 
 
 def test_a_report_on_a_full_disk_is_one_error_after_a_complete_merge(family, tmp_path):
@@ -130,3 +116,47 @@ def test_a_report_on_a_full_disk_is_one_error_after_a_complete_merge(family, tmp
         assert "No space left on device" in result.output
         assert "Traceback" not in result.output
         assert (out / "config.json").is_file() and ours_left(out) == []
+
+
+def test_an_interrupted_report_is_recognised_by_the_next_run(
+    family, tmp_path, monkeypatch
+):
+    """Ctrl-C while the report's files are renamed in: report.json comes
+    first, so what is left is a report of ours, and the same command runs."""
+    import mergekit_ram.commands.report_files as report_files
+
+    config = write_config(tmp_path / "ram.yml", family.config_dict("ram"))
+    args = ["merge", str(config), str(tmp_path / "out"), "--report", "r", "--quiet"]
+    renamed, replace = [], os.replace
+
+    def interrupted(source: str, target: str) -> None:
+        if os.path.abspath(target).startswith(str(tmp_path / "r")):
+            if renamed:
+                raise KeyboardInterrupt
+            renamed.append(target)
+        replace(source, target)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(report_files.os, "replace", interrupted)
+    assert CliRunner().invoke(main, args).exit_code == 1  # click's "Aborted!"
+    assert sorted(os.listdir(tmp_path / "r")) == ["report.json"]
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(main, args).exit_code == 0
+    left = sorted(os.listdir(tmp_path / "r"))
+    assert left[-2:] == ["report.json", "report.md"] and not left[0].startswith(".")
+
+
+def test_report_of_another_method_leaves_its_merge_stocks(family, tmp_path):
+    """`merge --report` of a task_arithmetic merge: mergekit's merge untouched
+    (its card included), the report from one more read of the models."""
+    document = family.config_dict(
+        "task_arithmetic", model_parameters={t: {"weight": 0.5} for t in family.tasks}
+    )
+    config = write_config(tmp_path / "ta.yml", document)
+    args = ["merge", str(config), str(tmp_path / "out"), "--quiet"]
+    result = CliRunner().invoke(main, [*args, "--report", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "task_arithmetic is not RAM: reading the models once" in result.output
+    assert "ram_statistics.json" not in os.listdir(tmp_path / "out")
+    assert "RAM" not in (tmp_path / "out" / "README.md").read_text()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from collections.abc import Collection
@@ -15,13 +15,12 @@ import mergekit
 import pytest
 import reference
 import torch
-import yaml
 from click.testing import CliRunner
 from conftest import read_json
 from mergekit.options import MergeOptions, add_merge_options
 from safetensors.torch import load_file
 
-from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.cli import COMMANDS, main
 from mergekit_ram.commands.merge_cli import ANALYZE_OPTIONS
 
 
@@ -47,34 +46,34 @@ def offers(help_text: str, option: str) -> bool:
 
 
 def test_merge_offers_mergekits_options_and_analyze_those_it_uses(tmp_path):
-    merge_help = CliRunner().invoke(main, ["merge", "--help"]).output
-    assert "CONFIG_FILE" in merge_help and "OUT_PATH" in merge_help
+    """Both show mergekit's options in mergekit's groups; analyze only those
+    it uses, and refuses the others. `mergekit-ram --help` lists each
+    command's description whole."""
+    helps = [CliRunner().invoke(main, [c, "--help"]) for c in ("merge", "analyze")]
+    for result in helps:
+        assert result.exit_code == 0 and "CONFIG_FILE" in result.output, result.output
+        assert "Dangerous Options:" in result.output
+        assert "--allow-crimes" in result.output
+    merge_help, analyze_help = (result.output for result in helps)
+    assert "OUT_PATH" in merge_help
+    result = CliRunner().invoke(main, ["--help"])  # each description whole
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 0 and all(
+        " ".join(entry.help.split()) in flat for entry in COMMANDS.values()
+    ), result.output
     assert [n for n in mergekit_option_names() if not offers(merge_help, n)] == []
     assert ANALYZE_OPTIONS < set(MergeOptions.model_fields)  # no misspelt field
     dropped = mergekit_option_names(set(MergeOptions.model_fields) - ANALYZE_OPTIONS)
     assert {"--out-shard-size", "--write-model-card", "--random-seed"} <= set(dropped)
-    result = CliRunner().invoke(main, ["analyze", "--help"])
-    assert result.exit_code == 0, result.output
-    assert [n for n in dropped if offers(result.output, n)] == []
+    assert [n for n in dropped if offers(analyze_help, n)] == []
     kept = mergekit_option_names(ANALYZE_OPTIONS)
-    assert [n for n in kept if not offers(result.output, n)] == []
+    assert [n for n in kept if not offers(analyze_help, n)] == []
     config = tmp_path / "c.yml"
     config.write_text("merge_method: ramplus\n", encoding="utf-8")
     for option in ("--out-shard-size", "--write-model-card", "--random-seed"):
         result = CliRunner().invoke(main, ["analyze", str(config), option, "1"])
         assert result.exit_code == 2, result.output
         assert f"No such option '{option}'" in result.output
-
-
-def load_merged(out) -> dict[str, torch.Tensor]:
-    index = out / "model.safetensors.index.json"
-    if not index.exists():
-        return load_file(str(out / "model.safetensors"))
-    files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-    state = {}
-    for name in files:
-        state.update(load_file(str(out / name)))
-    return state
 
 
 @pytest.mark.parametrize("shard", [None, "8K"])
@@ -93,7 +92,7 @@ def test_merge_yaml(shard, family_f32, tmp_path):
 
     base = family.state("base")
     expected, lambdas = reference.merge(base, family.task_states(), **settings)
-    merged = load_merged(out)
+    merged = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
     assert sorted(merged) == sorted(expected)
     for name in expected:
         assert torch.equal(merged[name], expected[name]), name
@@ -109,128 +108,89 @@ def test_merge_yaml(shard, family_f32, tmp_path):
         assert scales[family.paths[name]] == pytest.approx(lambdas[t], rel=1e-12)
 
 
-def test_merge_refuses_missing_config(tmp_path):
-    result = CliRunner().invoke(
-        main, ["merge", str(tmp_path / "missing.yml"), str(tmp_path / "out")]
-    )
-    assert result.exit_code != 0
-    assert "missing.yml" in result.output
-    assert not (tmp_path / "out").exists()
+# --- commands that answer at once ------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def sanity_family(model_family):
-    return model_family("sanity", seed=61)
-
-
-@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
-def test_analyze_epsilon_passes_the_yaml_checks(sanity_family, tmp_path, value):
-    path = tmp_path / "c.yml"
-    path.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
-    result = CliRunner().invoke(main, ["analyze", str(path), "--epsilon", value])
-    assert result.exit_code == 2, result.output
-    assert "--epsilon" in result.output and "Input should be" in result.output
-
-
-# --- commands that answer at once (issue 29 item 3) ------------------------------
-
+# In a fresh process: what answering imports.
 IMPORTS = """
 import sys
-from mergekit_ram.commands.cli import main
+from mergekit_ram.commands.cli import COMMANDS, main
 try:
     main(sys.argv[1:])
 except SystemExit as done:
-    code = done.code
-heavy = sorted(m for m in ("torch", "mergekit", "transformers") if m in sys.modules)
-print("HEAVY", ",".join(heavy), code)
+    assert done.code in (0, None), done.code
+heavy = [m for m in ("torch", "mergekit", "transformers") if m in sys.modules]
+assert not heavy, heavy
 """
-
-
-def run_cli(*args: str) -> tuple[str, list[str]]:
-    """Output and the heavy modules imported, of one fresh `mergekit-ram` process."""
-    done = subprocess.run(
-        [sys.executable, "-c", IMPORTS, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output, last = done.stdout.rsplit("HEAVY", 1)
-    heavy, code = last.split()[:-1], last.split()[-1]
-    assert code in ("0", "None"), done.stdout + done.stderr
-    return output, [m for m in ",".join(heavy).split(",") if m]
 
 
 @pytest.mark.parametrize("args", [["--help"], ["demo", "--help"]])
 def test_help_imports_neither_torch_nor_mergekit(args):
-    output, heavy = run_cli(*args)
-    assert output.strip() and heavy == []
+    command = [sys.executable, "-c", IMPORTS, *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip(), done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("command", ["merge", "analyze"])
-def test_command_help_is_mergekits_grouped_options(command):
-    """`merge --help` imports mergekit (its options are mergekit's) and shows
-    them in mergekit's groups."""
-    output, heavy = run_cli(command, "--help")
-    assert "mergekit" in heavy and "CONFIG_FILE" in output
-    assert "Dangerous Options:" in output and "--allow-crimes" in output
-
-
-def test_top_level_help_shows_each_description_whole():
-    from mergekit_ram.commands.cli import COMMANDS
-
-    result = CliRunner().invoke(main, ["--help"])
-    assert result.exit_code == 0, result.output
-    flat = " ".join(result.output.split())
-    for entry in COMMANDS.values():
-        assert " ".join(entry.help.split()) in flat
-
-
-def test_python_dash_m_version_names_both_packages_and_the_install():
-    done = subprocess.run(
-        [sys.executable, "-m", "mergekit_ram", "--version"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
+def test_python_dash_m_version_names_both_packages_and_the_install(monkeypatch, capsys):
+    """`python -m mergekit_ram --version` (its __main__, run in-process)."""
+    monkeypatch.setattr(sys, "argv", ["mergekit_ram", "--version"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("mergekit_ram", run_name="__main__")
+    assert done.value.code == 0
     ours = importlib.metadata.version("mergekit-ram")
     host = importlib.metadata.version("mergekit")
     where = os.path.dirname(mergekit.__file__)
-    assert done.stdout == (
+    assert capsys.readouterr().out == (
         f"mergekit-ram {ours}, mergekit {host} ({where}): "
         "mergekit-ram is installed into it\n"
     )
 
 
-# --- messages a newcomer meets (issue 30 items 3 and 5) ---------------------------
+# --- messages a newcomer meets ---------------------------------------------------
 
 
-def test_swapped_arguments_leave_the_folder_alone(sanity_family, tmp_path):
-    config = tmp_path / "c.yml"
-    config.write_text(yaml.safe_dump(sanity_family.config_dict("ramplus")))
-    merged = tmp_path / "merged"
-    merged.mkdir()
-    result = CliRunner().invoke(main, ["merge", str(merged), str(config)])
-    assert result.exit_code == 2, result.output
-    assert f"'CONFIG_FILE': File '{merged}' is a directory" in result.output
-    assert "Traceback" not in result.output and os.listdir(merged) == []
+REFUSED = {  # what a command is given: what its Error says (exit 2)
+    "a missing config": ("merge {tmp}/missing.yml {tmp}/out", ["missing.yml"]),
+    **{
+        f"--epsilon {value}": (
+            f"analyze {{config}} --epsilon {value}",
+            ["--epsilon", "Input should be"],
+        )
+        for value in ("nan", "inf", "-1")  # through the YAML's checks
+    },
+    "swapped arguments": (
+        "merge {tmp}/merged {config}",
+        ["'CONFIG_FILE': File '{tmp}/merged' is a directory"],
+    ),
+    **{  # the weights as the config: named with the command's order
+        f"a binary config to {command}": (
+            f"{command} {{tmp}}/model.safetensors"
+            + " {tmp}/out" * (command == "merge"),
+            ["is not a text file", f"mergekit-ram {command} {usage}"],
+        )
+        for command, usage in (
+            ("merge", "CONFIG_FILE OUT_PATH"),
+            ("analyze", "CONFIG_FILE [--out DIR]"),
+        )
+    },
+}
 
 
-@pytest.mark.parametrize(
-    "command, usage",
-    [("merge", "CONFIG_FILE OUT_PATH"), ("analyze", "CONFIG_FILE [--out DIR]")],
-)
-def test_a_binary_config_file_is_named_with_the_commands_order(
-    command, usage, tmp_path
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_mistaken_command_line_is_one_error_touching_nothing(
+    case, family_f32, tmp_path
 ):
-    weights = tmp_path / "model.safetensors"
-    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}\xbd\xff")
-    args = [command, str(weights)] + [str(tmp_path / "out")] * (command == "merge")
-    result = CliRunner().invoke(main, args)
+    """No traceback; no OUT made, the folder given as the config untouched."""
+    args, said = REFUSED[case]
+    names = {"tmp": tmp_path, "config": tmp_path / "c.yml"}
+    (tmp_path / "c.yml").write_text(family_f32.yaml())
+    (tmp_path / "merged").mkdir()
+    weights = b"\x08\x00\x00\x00\x00\x00\x00\x00{}\xbd\xff"
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    result = CliRunner().invoke(main, [a.format(**names) for a in args.split()])
     assert result.exit_code == 2, result.output
-    assert "is not a text file" in result.output and "Traceback" not in result.output
-    assert f"mergekit-ram {command} {usage}" in result.output
-    assert not (tmp_path / "out").exists()
+    assert [s for s in said if s.format(**names) not in result.output] == []
+    assert "Traceback" not in result.output
+    assert os.listdir(tmp_path / "merged") == [] and not (tmp_path / "out").exists()
 
 
 def test_an_empty_r_value_is_refused():

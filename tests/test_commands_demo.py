@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -19,26 +20,23 @@ def demo_run(tmp_path_factory):
     (root / "README.md").write_text("mine")
     result = CliRunner().invoke(main, ["demo", "--out", str(root)])
     assert result.exit_code == 0, result.output
-    return str(root), result.output
+    return root, result.output
 
 
 def test_demo_writes_a_loadable_merge_with_statistics(demo_run):
     root, output = demo_run
     # Other files stay; the demo adds only its three entries.
     assert sorted(os.listdir(root)) == ["README.md", "merged", "models", "ramplus.yml"]
-    with open(os.path.join(root, "README.md")) as handle:
-        assert handle.read() == "mine"
-    merged = os.path.join(root, "merged")
+    assert (root / "README.md").read_text() == "mine"
+    merged = root / "merged"
     for name in ("config.json", "model.safetensors", "ram_statistics.json"):
-        assert os.path.exists(os.path.join(merged, name)), name
-    assert "loads with transformers" in output
-    assert merged in output
+        assert (merged / name).exists(), name
+    assert "loads with transformers" in output and str(merged) in output
 
 
 def test_demo_agents_look_like_the_papers(demo_run):
     root, output = demo_run
-    with open(os.path.join(root, "merged", "ram_statistics.json")) as handle:
-        document = json.load(handle)
+    document = json.loads((root / "merged" / "ram_statistics.json").read_text())
     tasks = document["tasks"]
     assert len(tasks) == len(PAPER_LIKE)
     for task, spec in zip(tasks, PAPER_LIKE):
@@ -53,37 +51,28 @@ def test_demo_agents_look_like_the_papers(demo_run):
         assert task["scale"] == 1 + document["r"] * min(rho, document["alpha"])
 
 
-def test_cli_demo_without_out_removes_its_folder(monkeypatch, tmp_path):
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    result = CliRunner().invoke(main, ["demo"])
-    assert result.exit_code == 0, result.output
-    assert "Whole-model overlap statistics" in result.output
-    assert f"Removed {tmp_path}" in result.output
-    assert os.listdir(tmp_path) == []
+@pytest.mark.parametrize("fails", [False, True])
+def test_cli_demo_without_out_removes_its_folder(monkeypatch, tmp_path, fails):
+    """Also when it stops half-way (here: interrupted)."""
 
-
-def test_cli_demo_without_out_removes_its_folder_on_error(monkeypatch, tmp_path):
     def fail(root):
-        with open(os.path.join(root, "partial"), "w") as handle:
-            handle.write("half a demo")
+        (Path(root) / "partial").write_text("half a demo")
         raise KeyboardInterrupt
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    monkeypatch.setattr("mergekit_ram.commands.demo.run_demo", fail)
+    if fails:
+        monkeypatch.setattr("mergekit_ram.commands.demo.run_demo", fail)
     result = CliRunner().invoke(main, ["demo"])
-    assert result.exit_code != 0
-    assert os.listdir(tmp_path) == []
+    assert (result.exit_code != 0) is fails and os.listdir(tmp_path) == []
+    if not fails:
+        assert "Whole-model overlap statistics" in result.output
+        assert f"Removed {tmp_path}" in result.output
 
 
 def snapshot(root) -> dict[str, tuple[bytes, int]]:
     """Every file under `root`: its bytes and modification time."""
-    found = {}
-    for folder, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as handle:
-                found[path] = (handle.read(), os.stat(path).st_mtime_ns)
-    return found
+    files = (p for p in Path(root).rglob("*") if p.is_file())
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
 
 
 def refused(out) -> str:
@@ -94,8 +83,7 @@ def refused(out) -> str:
 
 
 @pytest.mark.parametrize(
-    "own",
-    [("models/coder/config.json", "ramplus.yml"), ("merged/notes.txt",)],
+    "own", [("models/coder/config.json", "ramplus.yml"), ("merged/notes.txt",)]
 )
 def test_demo_refuses_a_folder_holding_what_it_would_write(tmp_path, own):
     """A user's own models/coder/, ramplus.yml or merged/: one Error paragraph
@@ -122,21 +110,18 @@ def test_demo_refuses_a_model_folder(family_f32, tmp_path):
     assert snapshot(model) == before
 
 
-def test_demo_refuses_a_file(tmp_path):
-    """`--out` is a folder option: click names the option and the file."""
-    target = tmp_path / "notes.txt"
-    target.write_text("mine")
-    result = CliRunner().invoke(main, ["demo", "--out", str(target)])
-    assert result.exit_code == 2, result.output
-    assert "Invalid value for '--out'" in result.output and "is a file" in result.output
-    assert target.read_text() == "mine"
-
-
-def test_demo_under_a_file_is_one_error(tmp_path):
+@pytest.mark.parametrize(
+    ("under", "said"),
+    [
+        ("", "Invalid value for '--out'"),  # a folder option: click names it
+        ("demo", "cannot be created (Not a directory)"),
+    ],
+)
+def test_demo_refuses_a_file_or_a_folder_under_one(tmp_path, under, said):
     (tmp_path / "notes.txt").write_text("mine")
-    target = tmp_path / "notes.txt" / "demo"
+    target = tmp_path / "notes.txt" / under
     result = CliRunner().invoke(main, ["demo", "--out", str(target)])
-    assert result.exit_code == 2, result.output
-    assert "cannot be created (Not a directory)" in result.output
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert "is a file" in result.output or under
     assert "Traceback" not in result.output
     assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -17,22 +18,22 @@ from mergekit_ram.core.kernel import JOINT_LIMIT
 from mergekit_ram.core.rule import ScaleRule
 
 IDS = ["math", "code", "tools", "memory"]
-PROFILES = {
-    "embed": ((20, 8), [0.6, 0.5, 0.05, 0.3]),
-    "layer.0.weight": ((12, 12), [0.05, 0.3, 0.6, 0.2]),
-    "layer.0.bias": ((12,), [0.5, 0.5, 0.5, 0.5]),
+PROFILES = {"embed": ((20, 8), [0.6, 0.5, 0.05, 0.3])}
+PROFILES |= {"layer.0.weight": ((12, 12), [0.05, 0.3, 0.6, 0.2])}
+PROFILES |= {
+    "layer.0.bias": ((12,), [0.5] * 4),
     "head": ((3, 4, 5), [0.2, 0.05, 0.4, 0.7]),
 }
 
 
-def reference_stats(base, tasks, epsilon=EPSILON):
-    return reference.csu(reference.counts(base, tasks, epsilon), len(tasks))
+def reference_stats(base, tasks):
+    return reference.csu(reference.counts(base, tasks, EPSILON), len(tasks))
 
 
-def collected(base, tasks, ids=IDS, epsilon=EPSILON):
-    stats = OverlapStatistics(epsilon=epsilon)
+def collected(base, tasks, **options):
+    stats = OverlapStatistics(epsilon=EPSILON, **options)
     for name in base:
-        stats.add(name, base[name], {i: t[name] for i, t in zip(ids, tasks)})
+        stats.add(name, base[name], {i: t[name] for i, t in zip(IDS, tasks)})
     return stats
 
 
@@ -81,28 +82,19 @@ def test_counts_equal_reference(
 def test_totals_and_per_tensor_equal_reference(seed):
     base, tasks = state_dicts(PROFILES, seed=seed)
     stats = collected(base, tasks)
-    C, S, U, hist = reference_stats(base, tasks)
-    assert list(stats.tasks) == IDS
-    for t, task_id in enumerate(IDS):
-        counts = stats.tasks[task_id]
-        assert counts.histogram == hist[t]
-        assert (counts.changed, counts.shared, counts.unique) == (C[t], S[t], U[t])
-        assert counts.elements == sum(b.numel() for b in base.values())
-
-    assert list(stats.per_tensor) == list(PROFILES)
-    for name in base:
-        one = reference.counts(
-            {name: base[name]}, [{name: t[name]} for t in tasks], EPSILON
-        )
-        Ct, St, Ut, hist_t = reference.csu(one, len(tasks))
+    elements = sum(b.numel() for b in base.values())
+    assert list(stats.tasks) == IDS and list(stats.per_tensor) == list(PROFILES)
+    assert (stats.num_tensors, stats.num_elements) == (len(base), elements)
+    groups = [(stats.tasks, base)]
+    groups += [(stats.per_tensor[k], {k: base[k]}) for k in base]
+    for counted, part in groups:
+        C, S, U, hist = reference_stats(part, [{k: t[k] for k in part} for t in tasks])
         for t, task_id in enumerate(IDS):
-            local = stats.per_tensor[name][task_id]
-            assert local.histogram == hist_t[t]
-            assert (local.changed, local.shared, local.unique) == (Ct[t], St[t], Ut[t])
-            assert local.elements == base[name].numel()
-
-    assert stats.num_tensors == len(base)
-    assert stats.num_elements == sum(b.numel() for b in base.values())
+            counts = counted[task_id]
+            assert counts.histogram == hist[t]
+            assert (counts.changed, counts.shared, counts.unique) == (C[t], S[t], U[t])
+            assert counts.elements == sum(b.numel() for b in part.values())
+    hist = [stats.tasks[i].histogram for i in IDS]
     name = "layer.0.weight"  # counted twice: refused, and nothing changes
     with pytest.raises(ValueError, match=name):
         stats.add(name, base[name], {i: t[name] for i, t in zip(IDS, tasks)})
@@ -110,51 +102,16 @@ def test_totals_and_per_tensor_equal_reference(seed):
     assert stats.num_tensors == len(base)
 
 
-def test_tensor_counted_in_parts_equals_counted_whole():
-    # A fused tensor counted as the stored tensors it is made of (its parts:
-    # here each tensor's rows): the same entry, totals and sizes as whole.
-    base, tasks = state_dicts(PROFILES, seed=2)
-    whole = collected(base, tasks)
-    parts = OverlapStatistics(epsilon=EPSILON)
-    for name in base:
-        for row, b in enumerate(base[name].split(2)):
-            group = {i: t[name].split(2)[row] for i, t in zip(IDS, tasks)}
-            parts.add(name, b, group, part=f"{name}.{row}")
-    assert (parts.num_tensors, parts.num_elements) == (
-        whole.num_tensors,
-        whole.num_elements,
-    )
-    assert parts.tasks == whole.tasks
-    assert parts.per_tensor == whole.per_tensor
-
-    name = "head"  # a part again, whole after parts, a part after whole
-    group = {i: t[name] for i, t in zip(IDS, tasks)}
-    for stats, part in [(parts, f"{name}.0"), (parts, None), (whole, "head.9")]:
-        with pytest.raises(ValueError, match=f"{name!r} counted twice"):
-            stats.add(name, base[name], group, part=part)
-    assert parts.tasks == whole.tasks and parts.num_tensors == len(base)
-    summing = OverlapStatistics(epsilon=EPSILON, inner_products=True)
-    with pytest.raises(ValueError, match="whole tensors"):
-        summing.add(name, base[name], group, part="head.0")
+RULES = [(0.1, 2.0, "clip"), (0.5, 1.0, "clip"), (0.2, 0.3, "clip")]
+RULES += [(0.1, 2.0, "soft"), (0.0, 2.0, "clip")]
 
 
-@pytest.mark.parametrize(
-    "rule",
-    [
-        ScaleRule(r=0.1, alpha=2.0),
-        ScaleRule(r=0.5, alpha=1.0),
-        ScaleRule(r=0.2, alpha=0.3),
-        ScaleRule(r=0.1, alpha=2.0, saturation="soft"),
-        ScaleRule(r=0.0, alpha=2.0),
-    ],
-    ids=repr,
-)
-def test_scales_equal_reference_global_lambda(rule):
+@pytest.mark.parametrize("r, alpha, saturation", RULES)
+def test_scales_equal_reference_global_lambda(r, alpha, saturation):
+    rule = ScaleRule(r=r, alpha=alpha, saturation=saturation)
     base, tasks = state_dicts(PROFILES, seed=3)
     stats = collected(base, tasks)
-    _, lam = reference.merge(
-        base, tasks, r=rule.r, alpha=rule.alpha, saturation=rule.saturation
-    )
+    _, lam = reference.merge(base, tasks, r=r, alpha=alpha, saturation=saturation)
     scales = stats.scales(rule)
     assert list(scales) == IDS
     assert [scales[i] for i in IDS] == pytest.approx(lam, rel=1e-14)
@@ -167,13 +124,12 @@ def test_task_without_unique_elements():
     base = torch.zeros(6)
     a = torch.tensor([0.1, 0.2, 0.3, 0.0, 0.0, 0.0])
     b = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0])
-    same = base.clone()  # identical to the base: contributes nothing
     stats = OverlapStatistics(epsilon=EPSILON)
-    stats.add("t", base, {"a": a, "b": b, "same": same})
-    assert stats.tasks["a"].unique == 0 and stats.tasks["a"].shared == 3
-    assert stats.tasks["a"].rho == math.inf
-    assert stats.tasks["b"].rho == 3.0
-    assert stats.tasks["same"].changed == 0 and stats.tasks["same"].rho == 0.0
+    stats.add("t", base, {"a": a, "b": b, "same": base.clone()})  # same: the base's
+    found = stats.tasks
+    assert found["a"].unique == 0 and found["a"].shared == 3 and found["b"].rho == 3.0
+    assert found["a"].rho == math.inf
+    assert found["same"].changed == 0 and found["same"].rho == 0.0
     rule = ScaleRule(r=0.1, alpha=2.0)
     scales = stats.scales(rule)
     assert scales == {"a": rule.limit(), "b": rule.scale(3, 1), "same": 1.0}
@@ -186,20 +142,15 @@ def test_group_tensors_checks_layout_and_skips_buffers():
     base, (task,) = sparse_tasks((6, 4), [0.5], seed=7)
     group = group_tensors({"b": base, "t": task}, "b", ["b", "t"], None, name="w")
     assert group[0] is base and group[1] == {"t": task}
-    buffer = torch.arange(3)
-    assert (
-        group_tensors({"b": buffer, "t": buffer + 1}, "b", "bt", None, name="i") is None
-    )
+    buffers = {"b": torch.arange(3), "t": torch.arange(1, 4)}
+    assert group_tensors(buffers, "b", "bt", None, name="i") is None
     wide = torch.zeros(7, 4)
     with pytest.raises(RAMInputError, match=r"tokenizer_source") as raised:
         group_tensors({"b": base, "t": wide}, "b", "bt", None, name="lm_head.weight")
     assert "(6, 4) in the base model b but (7, 4) in model t" in str(raised.value)
-    with pytest.raises(RAMInputError, match="architecture"):
-        group_tensors({"b": base, "t": wide}, "b", "bt", None, name="mlp.up_proj")
-    with pytest.raises(RAMInputError, match="architecture"):
-        group_tensors(
-            {"b": base, "t": wide}, "b", "bt", None, name="w", vocabulary_axis=1
-        )
+    for where in (dict(name="mlp.up_proj"), dict(name="w", vocabulary_axis=1)):
+        with pytest.raises(RAMInputError, match="architecture"):
+            group_tensors({"b": base, "t": wide}, "b", "bt", None, **where)
 
 
 def test_finite_output_allows_nonfinite_kept_from_the_base(on_device):
@@ -224,21 +175,18 @@ def test_ignore_counts_nonfinite_task_elements_as_unchanged():
         flat[t] = math.nan
         flat[t + 10] = -math.inf
     stats = OverlapStatistics(epsilon=EPSILON)
-    for name in base:
+    for name, b in base.items():
         inputs = {i: t[name] for i, t in zip(IDS, poisoned)}
-        stats.add(
-            name, base[name], finite_inputs(name, "b", base[name], inputs, "ignore")
-        )
+        stats.add(name, b, finite_inputs(name, "b", b, inputs, "ignore"))
     healed = [
         {k: torch.where(torch.isfinite(v), v, base[k]) for k, v in t.items()}
         for t in poisoned
     ]
     *_, hist = reference_stats(base, healed)
     assert [stats.tasks[i].histogram for i in IDS] == hist
+    inputs = {"math": poisoned[0]["embed"]}
     with pytest.raises(RAMInputError, match="model math has 1 NaN and 1 infinite"):
-        finite_inputs(
-            "embed", "b", base["embed"], {"math": poisoned[0]["embed"]}, "refuse"
-        )
+        finite_inputs("embed", "b", base["embed"], inputs, "refuse")
 
 
 # --- order (OverlapStatistics.in_order) -------------------------------------------
@@ -263,9 +211,10 @@ def test_counted_in_any_order_then_put_in_order_equals_counted_in_order():
     assert backward == forward
     assert list(backward.tasks) == list(forward.tasks) == IDS
     assert list(backward.per_tensor) == list(backward.products) == list(PROFILES)
-    assert [list(c.intersections) for c in backward.tasks.values()] == [
-        list(c.intersections) for c in forward.tasks.values()
+    orders = [
+        [list(c.intersections) for c in s.tasks.values()] for s in (forward, backward)
     ]
+    assert orders[0] == orders[1]
     with pytest.raises(ValueError, match=r"\['head', 'layer.0.bias'\]"):
         forward.in_order(["embed", "layer.0.weight"])
     assert list(forward.per_tensor) == list(PROFILES)
@@ -274,16 +223,13 @@ def test_counted_in_any_order_then_put_in_order_equals_counted_in_order():
 FLOAT_MAX = torch.finfo(torch.float32).max
 
 
-@pytest.mark.parametrize(
-    "base_value, task_value, finite",
-    [
-        (0.5, 0.25, True),
-        (math.nan, 0.25, False),  # the base's NaN reaches every τ
-        (0.5, math.inf, False),
-        (math.inf, math.inf, False),  # ∞ − ∞ is NaN
-        (FLOAT_MAX, -FLOAT_MAX, False),  # finite inputs, τ overflows: a doubt only
-    ],
-)
+# The base's NaN reaches every τ; ∞ − ∞ is NaN; finite inputs whose τ
+# overflows: a doubt only.
+VALUES = [(0.5, 0.25, True), (math.nan, 0.25, False), (0.5, math.inf, False)]
+VALUES += [(math.inf, math.inf, False), (FLOAT_MAX, -FLOAT_MAX, False)]
+
+
+@pytest.mark.parametrize("base_value, task_value, finite", VALUES)
 @pytest.mark.parametrize("chunk", [5, 1 << 16])
 def test_count_tells_whether_every_task_vector_is_finite(
     monkeypatch, base_value, task_value, finite, chunk, on_device
@@ -295,11 +241,10 @@ def test_count_tells_whether_every_task_vector_is_finite(
     stats = OverlapStatistics(epsilon=EPSILON)
     on_base, on_tasks = on(on_device, base, tasks)
     assert stats.add("w", on_base, dict(zip(IDS, on_tasks))) is finite
-    if math.isfinite(base_value) and math.isfinite(task_value):
+    inputs = math.isfinite(base_value) and math.isfinite(task_value)
+    refused = pytest.raises(RAMInputError, match="NaN")
+    with contextlib.nullcontext() if inputs else refused:
         finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
-    else:
-        with pytest.raises(RAMInputError, match="NaN"):
-            finite_inputs("w", "base", base, dict(zip(IDS, tasks)), "refuse")
 
 
 # --- inner products (OverlapStatistics(inner_products=True)) ----------------------
@@ -312,20 +257,17 @@ def test_products_equal_dense_reference(n):
     g = torch.Generator().manual_seed(4)
     base = torch.randn(60, generator=g) * 0.02
     base[:4] = 0.0
-    edge = torch.tensor([0.01, -0.01, 0.0101, -0.0101])
     tasks = []
     for _ in range(n):
         kept = torch.rand(60, generator=g) < 0.3
         delta = torch.randn(60, generator=g) * 0.05 * kept
-        delta[:4] = edge
+        delta[:4] = torch.tensor([0.01, -0.01, 0.0101, -0.0101])
         tasks.append(base + delta)
     stats = OverlapStatistics(epsilon=1e-2, inner_products=True)
     stats.add("w", base, dict(enumerate(tasks)))
     products = stats.products["w"]
-    merged, _ = reference.merge(
-        {"w": base}, [{"w": t} for t in tasks], epsilon=1e-2, out_dtype=torch.float32
-    )
-    tau, m, c = reference.counts({"w": base}, [{"w": t} for t in tasks], 1e-2)["w"]
+    merged, _ = reference.merge(*as_dicts(base, tasks), epsilon=1e-2)
+    tau, m, c = reference.counts(*as_dicts(base, tasks), 1e-2)["w"]
     tau, delta = tau.double(), merged["w"].double() - base.double()
     for t in range(n):
         assert products.ram[t] == pytest.approx(float(delta @ tau[t]), rel=1e-5)

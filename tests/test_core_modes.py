@@ -31,35 +31,26 @@ def edge_case() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return base, [t1, t2, t3]
 
 
-def expected(base, tasks, *, density=0.1, scales=None, out_dtype=None):
-    b, ts = as_dicts(base, tasks)
-    merged, _ = reference.merge(
-        b, ts, shared="ties", density=density, unique_scale=scales, out_dtype=out_dtype
-    )
-    return merged["w"]
+def expected(base, tasks, *, density=0.1, scales=None, shared="ties"):
+    options = dict(shared=shared, density=density, unique_scale=scales)
+    return reference.merge(*as_dicts(base, tasks), **options)[0]["w"]
 
 
 @pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0])
 def test_edge_case_equals_reference(density):
     base, tasks = edge_case()
-    got = ties_merge_tensor(
-        base, tasks, epsilon=EPSILON, scales=[1.0] * 3, density=density
-    )
+    options = dict(epsilon=EPSILON, scales=[1.0] * 3, density=density)
+    got = ties_merge_tensor(base, tasks, **options)
     assert torch.equal(got, expected(base, tasks, density=density))
     if density == 1.0:  # nothing trimmed: element 0's masses tie, no sign
         assert got[0] == base[0]
-
-
-def test_edge_case_values():
-    """The issue's rules, by hand: n = 5 shared, k = int(0.9·5) = 4."""
-    base, tasks = edge_case()
-    got = ties_merge_tensor(base, tasks, epsilon=EPSILON, scales=[1.0] * 3, density=0.1)
-    # Task 1 keeps |v| ≥ 4th smallest of (0.5, 0.01, 0.9, 0.8, 0.5) = 0.8:
-    # 0.9 and 0.8; task 2 keeps ≥ 0.7: 0.7, 0.75 (the -0.75); task 3 keeps ≥
-    # 0.25 of (0.25, 0, 0, 0.4, 0): both.
-    assert got.tolist() == pytest.approx(
-        [-0.25, 0.0, 0.8, 0.6, -0.75, 0.3, 0.0, 0.0], abs=1e-7
-    )
+    if density == 0.1:
+        # The issue's rules, by hand: n = 5 shared, k = int(0.9·5) = 4. Task 1
+        # keeps |v| ≥ 4th smallest of (0.5, 0.01, 0.9, 0.8, 0.5) = 0.8: 0.9
+        # and 0.8; task 2 keeps ≥ 0.7: 0.7, 0.75 (the -0.75); task 3 keeps ≥
+        # 0.25 of (0.25, 0, 0, 0.4, 0): both.
+        by_hand = [-0.25, 0.0, 0.8, 0.6, -0.75, 0.3, 0.0, 0.0]
+        assert got.tolist() == pytest.approx(by_hand, abs=1e-7)
 
 
 def test_one_shared_element_is_not_trimmed():
@@ -98,57 +89,36 @@ def test_trimming_always_keeps_a_value(density, seed):
             assert kept.abs().max() == values.abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("density", [0.1, 0.3])
-def test_random_tensors_equal_reference(dtype, density, on_device):
-    base, tasks = sparse_tasks((64, 48), [0.2, 0.35, 0.5], seed=7)
+THEIRS = [0.0, 1 / 3, 0.0]  # shared: base, their target_index 1 at their factor 1/3
+TYPES = (torch.float32, torch.bfloat16, torch.float16)
+CHOSEN = ([0.0, 1.0, 0.0], THEIRS, [1.0, 1.0, 1.0])  # shared: base's scales
+# (shared, dtype, scales, density)
+RANDOM = [("ties", t, [1.25, 1.0, 1.1], d) for t in TYPES for d in (0.1, 0.3)]
+RANDOM += [("base", t, s, 0.1) for t in TYPES[:2] for s in CHOSEN]
+SHAPE_SEED = {"ties": ((64, 48), 7), "base": ((48, 40), 11)}
+
+
+@pytest.mark.parametrize("shared, dtype, scales, density", RANDOM)
+def test_random_tensors_equal_reference(shared, dtype, scales, density, on_device):
+    shape, seed = SHAPE_SEED[shared]
+    base, tasks = sparse_tasks(shape, [0.2, 0.35, 0.5], seed=seed)
     assert_all_classes(base, tasks)
     base, tasks = cast(base, tasks, dtype)
-    scales = [1.25, 1.0, 1.1]
-    got = ties_merge_tensor(
-        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales, density=density
-    )
-    assert got.device.type == on_device
-    got = got.cpu()
-    want = expected(base, tasks, density=density, scales=scales)
-    assert got.dtype == dtype
-    assert torch.equal(got, want)
-    # TIES changed the shared elements: it is not RAM.
-    b, ts = as_dicts(base, tasks)
-    ram, _ = reference.merge(b, ts, unique_scale=scales)
-    assert not torch.equal(got, ram["w"])
-
-
-# --- shared: base -----------------------------------------------------------
-
-THEIRS = [0.0, 1 / 3, 0.0]  # their target_index 1 at their fixed factor 1/3
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scales", [[0.0, 1.0, 0.0], THEIRS, [1.0, 1.0, 1.0]])
-def test_base_mode_equals_reference(dtype, scales, on_device):
-    base, tasks = sparse_tasks((48, 40), [0.2, 0.35, 0.5], seed=11)
-    assert_all_classes(base, tasks)
-    base, tasks = cast(base, tasks, dtype)
-    got = unique_merge_tensor(
-        *on(on_device, base, tasks), epsilon=EPSILON, scales=scales
-    )
-    assert got.device.type == on_device
-    got = got.cpu()
-    b, ts = as_dicts(base, tasks)
-    want, _ = reference.merge(b, ts, shared="base", unique_scale=scales)
-    assert got.dtype == dtype
-    assert torch.equal(got, want["w"])
+    merge = ties_merge_tensor if shared == "ties" else unique_merge_tensor
+    extra = {"density": density} if shared == "ties" else {}
+    got = merge(*on(on_device, base, tasks), epsilon=EPSILON, scales=scales, **extra)
+    assert got.device.type == on_device and got.dtype == dtype
+    want = expected(base, tasks, density=density, scales=scales, shared=shared)
+    assert torch.equal(got.cpu(), want)
+    if shared == "ties":  # TIES changed the shared elements: it is not RAM.
+        mean = expected(base, tasks, scales=scales, shared="mean")
+        assert not torch.equal(got.cpu(), mean)
 
 
 def test_base_mode_moves_only_the_chosen_tasks_unique_elements_move():
-    base = torch.zeros(6)
-    tasks = [
-        torch.tensor([0.3, 0.2, 0.0, 0.0, 5e-6, 0.0]),
-        torch.tensor([0.0, 0.4, 0.6, 0.0, 0.0, 0.0]),
-        torch.tensor([0.0, 0.0, 0.0, 0.9, 0.0, 0.0]),
-    ]
-    got = unique_merge_tensor(base, tasks, epsilon=EPSILON, scales=THEIRS)
+    rows = [[0.3, 0.2, 0, 0, 5e-6, 0], [0, 0.4, 0.6, 0, 0, 0], [0, 0, 0, 0.9, 0, 0]]
+    tasks = [torch.tensor(row) for row in rows]
+    got = unique_merge_tensor(torch.zeros(6), tasks, epsilon=EPSILON, scales=THEIRS)
     # Only element 2 is task 1's alone; element 1 is shared (base).
     assert got.tolist() == pytest.approx([0, 0, 0.2, 0, 0, 0])
 
@@ -166,23 +136,18 @@ def test_yaml_merge_equals_reference(shared, family_bf16, tmp_path):
         base, tasks = family.state("base"), family.task_states()
     else:
         chosen = {n: float(n == family.tasks[1]) for n in family.tasks}
-        text = family.yaml(
-            "ram",
-            parameters={"shared": "base"},
-            model_parameters={n: {"unique_scale": v} for n, v in chosen.items()},
-            dtype="float32",
-            out_dtype="bfloat16",
-        )
+        explicit = {n: {"unique_scale": v} for n, v in chosen.items()}
+        types = dict(dtype="float32", out_dtype="bfloat16")
+        types |= dict(model_parameters=explicit)
+        text = family.yaml("ram", {"shared": "base"}, **types)
         written = torch.bfloat16
-        settings = {"shared": "base", "unique_scale": list(chosen.values())}
+        settings = dict(shared="base", unique_scale=list(chosen.values()))
         settings["out_dtype"] = written
         base = {k: v.float() for k, v in family.state("base").items()}
         tasks = [{k: v.float() for k, v in t.items()} for t in family.task_states()]
-    out = tmp_path / "out"
-    merged = merge_yaml(text, out)
+    merged = merge_yaml(text, tmp_path / "out")
     want, _ = reference.merge(base, tasks, **settings)
     assert sorted(merged) == sorted(want)
     for name in want:
-        assert merged[name].dtype == written
-        assert torch.equal(merged[name], want[name]), name
-    assert (out / "ram_statistics.json").exists() == (shared == "ties")
+        assert merged[name].dtype == written and torch.equal(merged[name], want[name])
+    assert (tmp_path / "out" / "ram_statistics.json").exists() == (shared == "ties")

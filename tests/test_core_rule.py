@@ -69,16 +69,15 @@ SCALES = [1.002, 1.0, 1.3]  # lost in bf16 on most elements / none / kept on mos
 
 
 def reference_survival(base, tasks, scales, written):
-    """Per task: (unique elements, of which RAM+ and RAM are written apart)."""
-    plus, _ = reference.merge(*as_dicts(base, tasks), unique_scale=scales,
-                              out_dtype=written)  # fmt: skip
-    ram, _ = reference.merge(*as_dicts(base, tasks), out_dtype=written)
-    _tau, m, c = reference.counts(*as_dicts(base, tasks), EPSILON)["w"]
-    found = []
-    for t in range(len(tasks)):
-        unique = m[t] & (c == 1)
-        found.append((int(unique.sum()), int((plus["w"] != ram["w"])[unique].sum())))
-    return found
+    """The RAM+ merge, and per task: (unique elements, of which RAM+ and RAM
+    are written apart)."""
+    states = as_dicts(base, tasks)
+    plus, _ = reference.merge(*states, unique_scale=scales, out_dtype=written)
+    ram, _ = reference.merge(*states, out_dtype=written)
+    _tau, m, c = reference.counts(*states, EPSILON)["w"]
+    apart = plus["w"] != ram["w"]
+    unique = [m[t] & (c == 1) for t in range(len(tasks))]
+    return plus["w"], [(int(u.sum()), int(apart[u].sum())) for u in unique]
 
 
 def kernel_survival(base, tasks, scales, written):
@@ -87,10 +86,8 @@ def kernel_survival(base, tasks, scales, written):
     def note(index, *counts):
         heard[index] = counts
 
-    out = ram_merge_tensor(
-        base, tasks, epsilon=EPSILON, scales=scales, out_dtype=written, on_rescaled=note
-    )
-    return out, heard
+    kwargs = dict(epsilon=EPSILON, scales=scales, out_dtype=written, on_rescaled=note)
+    return ram_merge_tensor(base, tasks, **kwargs), heard
 
 
 @pytest.mark.parametrize("written", [torch.bfloat16, torch.float16, torch.float32])
@@ -111,7 +108,7 @@ def test_kernel_counts_what_survives_elementwise(
         out, heard = kernel_survival(*on(on_device, base, tasks), SCALES, written)
     finally:
         torch.set_num_threads(threads)
-    want = reference_survival(base, tasks, SCALES, written)
+    plus, want = reference_survival(base, tasks, SCALES, written)
     assert heard == {0: want[0], 2: want[2]}
     assert all(rescaled > 0 for rescaled, _ in heard.values())
     if written == torch.float32:
@@ -119,10 +116,8 @@ def test_kernel_counts_what_survives_elementwise(
     else:
         # bf16 / fp16 lose λ = 1.002 on some elements: the count can tell.
         assert heard[0][1] < heard[0][0]
-    plus, _ = reference.merge(*as_dicts(base, tasks), unique_scale=SCALES,
-                              out_dtype=written)  # fmt: skip
     assert out.device.type == on_device
-    assert torch.equal(out.cpu(), plus["w"])
+    assert torch.equal(out.cpu(), plus)
 
 
 def test_no_count_without_a_listener_or_a_rescale():

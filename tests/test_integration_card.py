@@ -57,43 +57,30 @@ def test_card_order_heading_and_licence(order, family_f32, tmp_path):
     models and its reverse, which no set order matches both of), the variant
     in the Merge Method heading and the base model's licence in the card's
     metadata."""
-    family = family_f32
-    base = base_with_card(
-        family, tmp_path, "---\nlicense: apache-2.0\ntags: [x]\n---\n# Base\n"
-    )
+    family, out = family_f32, tmp_path / "out"
+    licensed = "---\nlicense: apache-2.0\ntags: [x]\n---\n# Base\n"
+    base = base_with_card(family, tmp_path, licensed)
     config = family.config_dict("ramplus", tasks=order, base_model=base)
-    out = tmp_path / "out"
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(config), str(out), MergeOptions(quiet=True)
-    )
+    config = MergeConfiguration.model_validate(config)
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
     card = (out / "README.md").read_text(encoding="utf-8")
     paths = [family.paths[name] for name in order]
     assert models_merged(card) == paths
     assert statistics_rows(card, paths) == paths
-    heading = "### Merge Method: RAM+ (global statistics, clip rule, `shared: mean`)"
-    assert heading in card.splitlines()
+    assert f"### Merge Method: {GLOBAL}" in card.splitlines()
     metadata = yaml.safe_load(card.split("---\n")[1])
     assert metadata["license"] == "apache-2.0"
     assert metadata["tags"] == ["mergekit", "merge"]  # mergekit's, as it wrote them
     assert ModelCard(card).data.license == "apache-2.0"
 
 
-VARIANTS = [
-    ("ramplus", {}, "RAM+ (global statistics, clip rule, `shared: mean`)"),
-    (
-        "ramplus",
-        {"statistics": "tensor", "saturation": "soft"},
-        "RAM+ (tensor-local statistics, soft rule, `shared: mean`)",
-    ),
-    ("ram", {"shared": "ties"}, "RAM (`shared: ties`)"),
-    ("ram", {"shared": "base"}, "RAM (`shared: base`)"),
-    ("ram", {"r": 0.1}, "RAM+ (global statistics, clip rule, `shared: mean`)"),
-    (
-        "ram",
-        {"shared": [{"filter": "mlp", "value": "ties"}, {"value": "mean"}]},
-        "RAM (shared varies per tensor)",
-    ),
-]
+GLOBAL = "RAM+ (global statistics, clip rule, `shared: mean`)"
+LOCAL = "RAM+ (tensor-local statistics, soft rule, `shared: mean`)"
+MIXED = [{"filter": "mlp", "value": "ties"}, {"value": "mean"}]
+VARIANTS = [("ramplus", {}, GLOBAL), ("ram", {"r": 0.1}, GLOBAL)]
+VARIANTS += [("ramplus", {"statistics": "tensor", "saturation": "soft"}, LOCAL)]
+VARIANTS += [("ram", {"shared": m}, f"RAM (`shared: {m}`)") for m in ("ties", "base")]
+VARIANTS += [("ram", {"shared": MIXED}, "RAM (shared varies per tensor)")]
 
 
 @pytest.mark.parametrize(("method", "parameters", "name"), VARIANTS)
@@ -109,17 +96,13 @@ def test_variant_names_what_the_configuration_merges_with(
     assert variant(resolved_values(merges)) == name
 
 
-@pytest.mark.parametrize(
-    "card",
-    [
-        None,
-        "# No front matter\nlicense: mit\n",
-        "---\ntags: [x]\n---\n",
-        "---\nlicense: [a, b]\n---\n",
-        "---\nlicense: [unclosed\n---\n",  # not YAML
-        "---\n- license\n---\n",  # not a mapping
-    ],
-)
+# None; no front matter; none stated; a list; not YAML; not a mapping.
+NO_LICENCE = [None, "# No front matter\nlicense: mit\n", "---\ntags: [x]\n---\n"]
+NO_LICENCE += ["---\nlicense: [a, b]\n---\n", "---\nlicense: [unclosed\n---\n"]
+NO_LICENCE += ["---\n- license\n---\n"]
+
+
+@pytest.mark.parametrize("card", NO_LICENCE)
 def test_no_licence_where_the_base_card_states_none(card, family_f32, tmp_path):
     base = base_with_card(family_f32, tmp_path, card)
     config = family_f32.config_dict("ramplus", base_model=base)
@@ -143,13 +126,10 @@ def test_licence_of_a_hub_base_from_the_local_cache(cached, monkeypatch, tmp_pat
         return str(readme)
 
     monkeypatch.setattr(results.huggingface_hub, "try_to_load_from_cache", lookup)
-    config = MergeConfiguration.model_validate(
-        {
-            "merge_method": "ram",
-            "base_model": "org/base@v1",
-            "models": [{"model": "a/b"}],
-        }
+    config = dict(
+        merge_method="ram", base_model="org/base@v1", models=[{"model": "a/b"}]
     )
+    config = MergeConfiguration.model_validate(config)
     assert base_license(config) == (None if cached == "refused" else cached)
     assert asked == [("org/base", "README.md", "v1")]
 
@@ -158,26 +138,22 @@ MERGEKIT_CARD = (
     "---\nbase_model: []\nlibrary_name: transformers\ntags:\n- mergekit\n- merge\n"
     "\n---\n# Merged\n\n### Merge Method\n\nRAM.\n"
 )
+LICENSED = MERGEKIT_CARD.replace("- merge\n\n---", "- merge\nlicense: mit\n---")
+OTHER = "---\nlicense: other\n---\n# A\n"
+
+
+# The licence closes the metadata, the rest of mergekit's card as it was; none
+# to add: not re-serialised.
+DESCRIBED = [("mit", MERGEKIT_CARD, LICENSED), (None, MERGEKIT_CARD, MERGEKIT_CARD)]
 
 
 @pytest.mark.parametrize(
-    ("licence", "card", "expected"),
-    [
-        # The licence closes the metadata; the rest of mergekit's card as it was.
-        (
-            "mit",
-            MERGEKIT_CARD,
-            MERGEKIT_CARD.replace("- merge\n\n---", "- merge\nlicense: mit\n---"),
-        ),
-        (None, MERGEKIT_CARD, MERGEKIT_CARD),  # none to add: not re-serialised
-        ("mit", "---\nlicense: other\n---\n# A\n", "---\nlicense: other\n---\n# A\n"),
-    ],
+    ("licence", "card", "expected"), [*DESCRIBED, ("mit", OTHER, OTHER)]
 )
 def test_described_card_adds_a_licence_only_where_the_card_has_none(
     licence, card, expected, monkeypatch
 ):
     monkeypatch.setattr(results, "base_license", lambda _config: licence)
-    values = {"r": {0.0}, "shared": {"mean"}}
-    described = results.described_card(card, None, values)
+    described = results.described_card(card, None, {"r": {0.0}, "shared": {"mean"}})
     heading = "### Merge Method: RAM (`shared: mean`)\n"
     assert described == expected.replace("### Merge Method\n", heading)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import merge
 from mergekit.config import MergeConfiguration
 from rejected_inputs import no_weight_reads
 from safetensors.torch import load_file, save_file
 
+import mergekit_ram
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import check_models, model_tensors
 from mergekit_ram.integration.validation import check_config
@@ -29,15 +31,21 @@ def copies(family, tmp_path: Path, extra: dict[str, torch.Tensor]) -> dict[str, 
     return paths
 
 
-def test_unsigned_buffers_pass_the_checks(family_f32, tmp_path):
+def test_unsigned_buffers_and_pickles_pass_the_checks(family_f32, tmp_path):
     """Stock mergekit merges models with uint16/32/64 tensors (it copies an
-    agreed buffer); so does the check: RAM copies the base's."""
+    agreed buffer); so does the check: RAM copies the base's. mergekit's
+    loader unpickles weights only: a .bin task model beside a safetensors base
+    is not read here, nor taken for one missing tensors."""
     extra = {
         f"model.u{bits}": torch.arange(4).to(getattr(torch, f"uint{bits}"))
         for bits in (16, 32, 64)
     }
     paths = copies(family_f32, tmp_path, extra)
-    base, tasks = ("base_model", paths["base"]), [("models[0].model", paths["alpha"])]
+    (pickled := tmp_path / "pickled").mkdir()
+    torch.save(family_f32.state("alpha"), pickled / "pytorch_model.bin")
+    assert model_tensors(str(pickled), "models[1].model") is None
+    tasks = [("models[0].model", paths["alpha"]), ("models[1].model", str(pickled))]
+    base = ("base_model", paths["base"])
     check_models(base, tasks, compare=True, vocabulary_free=False)
 
 
@@ -50,6 +58,7 @@ def test_float8_outside_the_architecture_is_not_refused(family_f32, tmp_path):
         "model.extra_weight": torch.ones(4).to(torch.float8_e4m3fn),
     }
     paths = copies(family_f32, tmp_path, extra)
+    mergekit_ram.install()
     document = family_f32.config_dict("ramplus", base_model=paths["base"])
     for entry, name in zip(document["models"], family_f32.tasks):
         entry["model"] = paths[name]
@@ -60,25 +69,19 @@ def test_float8_outside_the_architecture_is_not_refused(family_f32, tmp_path):
         check_models(base, [], compare=True, vocabulary_free=False)
 
 
-def test_weights_only_pickle_is_read(tmp_path):
-    torch.save({"w": torch.zeros(3, 2)}, tmp_path / "pytorch_model.bin")
-    assert model_tensors(str(tmp_path), "model")["w"].shape == (3, 2)
-
-
-def test_unreadable_file_reported_as_such(tmp_path, monkeypatch):
-    """A file without read permission is not "truncated, corrupt". (As root
-    chmod cannot take the permission away: the OS's refusal is stood in for.)"""
-    import mergekit_ram.integration.checkpoints as headers
-
-    weights = tmp_path / "model.safetensors"
-    save_file({"w": torch.zeros(2)}, weights)
-
-    def refuse(path, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", str(path))
-
-    monkeypatch.setattr(headers, "open", refuse, raising=False)
-    with pytest.raises(RAMInputError) as caught:
-        model_tensors(str(tmp_path), "models[1].model")
-    message = str(caught.value)
-    assert "model.safetensors cannot be read (Permission denied)" in message
-    assert "chmod a+r" in message and "corrupt" not in message
+def test_float8_with_dtype_merges_as_stock_casts_it(family_f32, tmp_path):
+    """With `dtype:` mergekit casts every tensor on load, so stock merges an
+    FP8 tensor: RAM does too, equal to the merge of the cast model."""
+    up = "model.layers.0.mlp.up_proj.weight"
+    for name, dtype in (("fp8", torch.float8_e4m3fn), ("cast", torch.bfloat16)):
+        shutil.copytree(family_f32.paths["beta"], tmp_path / name)
+        state = load_file(tmp_path / name / "model.safetensors")
+        state[up] = state[up].to(torch.float8_e4m3fn).to(dtype)
+        save_file(state, tmp_path / name / "model.safetensors")
+    merged = {}
+    for name in ("fp8", "cast"):
+        document = family_f32.config_dict("ramplus", dtype="bfloat16")
+        document["models"][1]["model"] = str(tmp_path / name)
+        out = merge(document, tmp_path / f"out-{name}")
+        merged[name] = (out / "model.safetensors").read_bytes()
+    assert merged["fp8"] == merged["cast"]

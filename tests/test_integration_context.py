@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 import pytest
 from mergekit.config import MergeConfiguration
@@ -27,9 +28,7 @@ def module_containers() -> dict[tuple[str, str], int]:
 def test_failed_merges_leave_nothing_behind(family_f32, tmp_path, monkeypatch):
     """Three merges that fail after planning (the statistics pass ran)."""
 
-    def failing(*_args, **_kwargs):
-        raise RuntimeError("boom")
-
+    failing = mock.Mock(side_effect=RuntimeError("boom"))
     config = MergeConfiguration.model_validate(family_f32.config_dict("ramplus"))
     run_merge = mergekit_ram.run_merge  # imports the API before the snapshot
     before = module_containers()

@@ -25,10 +25,6 @@ def owner_and_name(path: str) -> tuple[object, str]:
     return resolve(owner), last
 
 
-def dotted(path: str) -> str:
-    return path.replace(":", ".")
-
-
 def changed() -> None:
     """Host code that no longer names anything we rely on."""
 
@@ -45,7 +41,7 @@ def test_each_name_renamed_is_refused_naming_it(reliance, monkeypatch):
         probe()
     message = error.value.message
     assert message.startswith("mergekit-ram cannot install into mergekit ")
-    assert dotted(reliance.name) in message and SUPPORTED in message
+    assert reliance.name.replace(":", ".") in message and SUPPORTED in message
     assert "MERGEKIT_RAM_AUTOLOAD=0" in message
 
 
@@ -84,4 +80,4 @@ def test_a_keyword_mergekit_adds_is_kept(monkeypatch):
 
 def test_the_docs_table_lists_the_contract():
     rows = re.findall(r"^\| `([^`]+)` \|", DOCS.read_text("utf-8"), re.M)
-    assert rows == [dotted(r.name) for r in CONTRACT]
+    assert rows == [r.name.replace(":", ".") for r in CONTRACT]

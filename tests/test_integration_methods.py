@@ -12,18 +12,16 @@ from mergekit import merge_methods
 from mergekit.merge_methods import BasePolicy, ParameterScope
 from mergekit.merge_methods import ram as stock_ram
 from tensors import as_dicts, assert_all_classes, cast, on, sparse_tasks
+from test_core_kernel import ref_merge
 
 import mergekit_ram
 from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.methods import ram, ramplus
 
 STOCK = stock_ram.ram_merge
-CASES = [
-    ((50,), [0.5]),
-    ((16, 24), [0.3, 0.4]),
-    ((20, 12), [0.3, 0.4, 0.5]),
-    ((3, 8, 9), [0.2, 0.6, 0.4, 0.3]),
-]
+F16 = torch.float16
+CASES = [((50,), [0.5]), ((16, 24), [0.3, 0.4]), ((20, 12), [0.3, 0.4, 0.5])]
+CASES += [((3, 8, 9), [0.2, 0.6, 0.4, 0.3])]
 
 
 @pytest.fixture(params=range(len(CASES)), ids=lambda i: f"{len(CASES[i][1])}tasks")
@@ -34,9 +32,10 @@ def case(request, on_device):
     return on(on_device, base, tasks)
 
 
-def ref_merge(base, tasks, **kwargs):
-    merged, _ = reference.merge(*as_dicts(base, tasks), **kwargs)
-    return merged["w"]
+def through_mergekit(base, tasks, method="ramplus", **parameters):
+    """mergekit's merge_tensors, the base first."""
+    kwargs = dict(parameters=parameters, base_index=0)
+    return merge_methods.merge_tensors([base, *tasks], method, **kwargs)
 
 
 # --- parity with stock ram ----------------------------------------------------
@@ -58,36 +57,22 @@ def test_ram_equals_stock_float32(case, parameters, at):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_ram_low_precision_is_stock_float32_rounded_once(case, dtype):
     base, tasks = cast(*case, dtype)
-    tensors = [base, *tasks]
-    ours = merge_methods.merge_tensors(tensors, "ram", base_index=0)
-    upcast = [t.float() for t in tensors]
-    stock = merge_methods.merge_tensors(upcast, STOCK, base_index=0)
-    assert ours.dtype == dtype
-    assert torch.equal(ours, stock.to(dtype))
-    if len(tasks) > 1:
-        # Stock computes in the stored dtype; ours does not.
-        in_dtype = merge_methods.merge_tensors(tensors, STOCK, base_index=0)
-        assert not torch.equal(ours, in_dtype)
+    ours = through_mergekit(base, tasks, "ram")
+    stock = through_mergekit(base.float(), [t.float() for t in tasks], STOCK)
+    assert ours.dtype == dtype and torch.equal(ours, stock.to(dtype))
+    if len(tasks) > 1:  # stock computes in the stored dtype; ours does not
+        assert not torch.equal(ours, through_mergekit(base, tasks, STOCK))
 
 
-def test_state_dicts_ram_equals_stock_and_ramplus_counts_the_whole_call():
-    """RAM equals stock on state dicts; global RAM+ through mergekit's own
-    in-memory merge (and ours) counts the whole call, as the dense reference
-    counts the model."""
+def test_state_dicts_ram_equals_stock():
+    """(Global RAM+ through mergekit's own merge_state_dicts: test_commands_api.)"""
     base, tasks = sparse_tasks((12, 16), [0.3, 0.4, 0.2], seed=5)
     bias, bias_tasks = sparse_tasks((16,), [0.5, 0.5, 0.5], seed=6)
-    models = [{"w": base, "b": bias}] + [
-        {"w": t, "b": b} for t, b in zip(tasks, bias_tasks)
-    ]
+    models = [{"w": w, "b": b} for w, b in zip([base, *tasks], [bias, *bias_tasks])]
     stock = merge_methods.merge_state_dicts(models, STOCK, base=0)
     ours = merge_methods.merge_state_dicts(models, "ram", base=0)
     assert stock.keys() == ours.keys() == {"w", "b"}
     assert all(torch.equal(ours[k], stock[k]) for k in stock)
-    expected, _ = reference.merge(models[0], models[1:], r=0.1)
-    for merge in (merge_methods.merge_state_dicts, mergekit_ram.merge_state_dicts):
-        merged = merge(models, "ramplus", base=0)
-        assert merged.keys() == expected.keys()
-        assert all(torch.equal(merged[k], expected[k]) for k in expected)
 
 
 # --- declared parameters ------------------------------------------------------
@@ -106,32 +91,10 @@ def test_spec_defaults():
         assert spec.reference_url == "https://arxiv.org/abs/2601.13572"
 
 
-def test_ramplus_defaults_are_used(case):
-    base, tasks = case
-    tensors = [base, *tasks]
-    out = merge_methods.merge_tensors(
-        tensors, "ramplus", parameters={"statistics": "tensor"}, base_index=0
-    )
-    expected = ref_merge(base, tasks, r=0.1, alpha=2.0, statistics="tensor")
-    assert torch.equal(out, expected)
-    if len(tasks) > 1:
-        assert not torch.equal(out, ref_merge(base, tasks))
-
-
-BAD = [
-    {"epsilon": -1e-6},
-    {"r": -0.1},
-    {"alpha": -1.0},
-    {"epsilon": math.nan},
-    {"r": math.nan},
-    {"alpha": math.nan},
-    {"r": math.inf},
-    {"saturation": "hard"},
-    {"statistics": "model"},
-    {"nonfinite": "skip"},
-    {"unique_scale": -1.0},
-    {"unique_scale": math.nan},
-]
+BAD = [{"epsilon": -1e-6}, {"r": -0.1}, {"alpha": -1.0}, {"epsilon": math.nan}]
+BAD += [{"r": math.nan}, {"alpha": math.nan}, {"r": math.inf}, {"saturation": "hard"}]
+BAD += [{"statistics": "model"}, {"nonfinite": "skip"}, {"unique_scale": -1.0}]
+BAD += [{"unique_scale": math.nan}]
 
 
 @pytest.mark.parametrize(
@@ -146,72 +109,56 @@ def test_invalid_parameters_are_rejected(bad, name):
             merge([base, *tasks], name, parameters=parameters, base_index=0)
 
 
-def test_unknown_parameter_is_rejected():
-    base, tasks = sparse_tasks((6, 6), [0.5, 0.5], seed=0)
+def test_unknown_parameter_is_rejected_and_a_base_required():
+    base, tasks = sparse_tasks((6, 6), [0.5], seed=0)
     with pytest.raises(TypeError, match="lambda"):
-        merge_methods.merge_tensors(
-            [base, *tasks], "ram", parameters={"lambda": 1.2}, base_index=0
-        )
-
-
-def test_base_is_required():
-    base, tasks = sparse_tasks((6, 6), [0.5, 0.5], seed=0)
+        through_mergekit(base, tasks, "ram", **{"lambda": 1.2})
     with pytest.raises(ValueError, match="base"):
         merge_methods.merge_tensors([base, *tasks], "ram")
 
 
-# --- global statistics through mergekit's own entry points ---------------------
+# --- statistics through mergekit's own entry points ------------------------------
 
 
 def test_mergekits_merge_tensors_counts_its_one_tensor(case):
     """mergekit's merge_tensors with global RAM+ is whole-call RAM+, here one
     tensor: the dense reference's λ from that tensor; a given λ is kept."""
     base, tasks = case
-    state = ({"w": base}, [{"w": t} for t in tasks])
-    merged = merge_methods.merge_tensors([base, *tasks], "ramplus", base_index=0)
-    expected, lam = reference.merge(*state, r=0.1)
-    assert torch.equal(merged, expected["w"])
+    expected, lam = reference.merge(*as_dicts(base, tasks), r=0.1)
+    assert torch.equal(through_mergekit(base, tasks), expected["w"])
     given = [1.5, *[None] * (len(tasks) - 1)]
-    merged = merge_methods.merge_tensors(
-        [base, *tasks], "ramplus", parameters={"unique_scale": given}, base_index=0
-    )
-    expected, _ = reference.merge(*state, r=0.1, unique_scale=[1.5, *lam[1:]])
-    assert torch.equal(merged, expected["w"])
+    expected = ref_merge(base, tasks, r=0.1, unique_scale=[1.5, *lam[1:]])
+    assert torch.equal(through_mergekit(base, tasks, unique_scale=given), expected)
 
 
-@pytest.mark.parametrize("saturation", ["clip", "soft"])
-@pytest.mark.parametrize("r,alpha", [(0.1, 2.0), (0.5, 1.0)])
-def test_tensor_scope_works_through_mergekit(case, saturation, r, alpha):
+# ramplus's defaults (r = 0.1, alpha = 2, clip), then given values.
+RULES = [{}, {"saturation": "soft"}] + [
+    dict(r=r, alpha=alpha, saturation=saturation)
+    for r, alpha in ((0.1, 2.0), (0.5, 1.0))
+    for saturation in ("clip", "soft")
+]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_tensor_scope_works_through_mergekit(case, rule):
     base, tasks = case
-    parameters = {"statistics": "tensor", "saturation": saturation, "r": r}
-    parameters["alpha"] = alpha
-    out = merge_methods.merge_tensors(
-        [base, *tasks], "ramplus", parameters=parameters, base_index=0
-    )
-    expected = ref_merge(
-        base, tasks, r=r, alpha=alpha, saturation=saturation, statistics="tensor"
-    )
+    out = through_mergekit(base, tasks, statistics="tensor", **rule)
+    expected = ref_merge(base, tasks, statistics="tensor", **{"r": 0.1, **rule})
     assert torch.equal(out, expected)
+    if len(tasks) > 1:
+        assert not torch.equal(out, ref_merge(base, tasks))
 
 
 def test_ramplus_without_statistics_and_epsilon_through_mergekit(case):
     base, tasks = case
-    tensors = [base, *tasks]
     # r = 0 is plain RAM.
-    out = merge_methods.merge_tensors(
-        tensors, "ramplus", parameters={"r": 0.0}, base_index=0
-    )
-    assert torch.equal(out, ref_merge(base, tasks))
+    assert torch.equal(through_mergekit(base, tasks, r=0.0), ref_merge(base, tasks))
     # Every task has an explicit λ: nothing to count.
     scales = [1.1 + 0.2 * i for i in range(len(tasks))]
-    out = merge_methods.merge_tensors(
-        tensors, "ramplus", parameters={"unique_scale": scales}, base_index=0
-    )
+    out = through_mergekit(base, tasks, unique_scale=scales)
     assert torch.equal(out, ref_merge(base, tasks, unique_scale=scales))
     # epsilon reaches the kernel
-    out = merge_methods.merge_tensors(
-        [base, *tasks], "ram", parameters={"epsilon": 4e-3}, base_index=0
-    )
+    out = through_mergekit(base, tasks, "ram", epsilon=4e-3)
     assert torch.equal(out, ref_merge(base, tasks, epsilon=4e-3))
     assert not torch.equal(out, ref_merge(base, tasks))
 
@@ -223,13 +170,10 @@ def test_nonfinite_refused_or_ignored_through_mergekit(case):
     base, tasks = case
     poisoned = tasks[0].clone()
     poisoned.view(-1)[[7, 9]] = torch.tensor([math.nan, math.inf])
-    tensors = [base, poisoned, *tasks[1:]]
-    params = {"statistics": "tensor", "r": 0.2}
+    tasks, params = [poisoned, *tasks[1:]], {"statistics": "tensor", "r": 0.2}
     with pytest.raises(RAMInputError, match="model 1 has 1 NaN and 1 infinite"):
-        merge_methods.merge_tensors(tensors, "ramplus", parameters=params, base_index=0)
-    out = merge_methods.merge_tensors(
-        tensors, "ramplus", parameters={**params, "nonfinite": "ignore"}, base_index=0
-    )
+        through_mergekit(base, tasks, **params)
+    out = through_mergekit(base, tasks, **params, nonfinite="ignore")
     healed = torch.where(torch.isfinite(poisoned), poisoned, base)
     expected = ref_merge(base, [healed, *tasks[1:]], statistics="tensor", r=0.2)
     assert torch.equal(out, expected)
@@ -242,23 +186,8 @@ def test_overflow_of_the_output_dtype_is_refused(on_device):
         torch.tensor([10.0, 0.0, 0.5, 0.0, 0.0, 0.0], device=on_device),
         torch.tensor([0.0, 0.25, 0.5, 0.0, 0.0, 0.0], device=on_device),
     ]
-    parameters = {"unique_scale": [60000.0, 1.0]}
+    kwargs = dict(parameters={"unique_scale": [60000.0, 1.0]}, base_index=0)
     with pytest.raises(RAMInputError, match="has 1 infinite or NaN values"):
-        mergekit_ram.merge_tensors(
-            [base, *tasks],
-            "ramplus",
-            parameters=parameters,
-            base_index=0,
-            out_dtype=torch.float16,
-        )
-    kept = mergekit_ram.merge_tensors(
-        [base, *tasks], "ramplus", parameters=parameters, base_index=0
-    )
+        mergekit_ram.merge_tensors([base, *tasks], "ramplus", **kwargs, out_dtype=F16)
+    kept = mergekit_ram.merge_tensors([base, *tasks], "ramplus", **kwargs)
     assert kept.device.type == on_device and kept[0] == 600000.0
-
-
-def test_integer_base_passes_through_the_kernel():
-    base = torch.tensor([2**40 + 3, -5, 0], dtype=torch.int64)
-    out = merge_methods.merge_tensors([base, base * 2], "ram", base_index=0)
-    assert out.dtype == torch.int64 and torch.equal(out, base)
-    assert out.data_ptr() != base.data_ptr()

@@ -49,7 +49,7 @@ def test_read_ahead_hints_each_input_tensor_once_and_changes_nothing(
     def refuse(*_args):
         raise OSError(22, "Invalid argument")
 
-    merges = {}
+    merges = []
     for how in ("hinted", "missing", "failing"):
         if how == "missing":
             monkeypatch.delattr(os, "posix_fadvise", raising=False)
@@ -58,18 +58,16 @@ def test_read_ahead_hints_each_input_tensor_once_and_changes_nothing(
             monkeypatch.setattr(os, "posix_fadvise", fadvise, raising=False)
         weights = merge_yaml(family.yaml("ramplus"), tmp_path / how)
         statistics = read_json(tmp_path / how / "ram_statistics.json")
-        statistics.pop("seconds")
-        merges[how] = (weights, statistics)
+        merges.append((weights, statistics, statistics.pop("seconds")))
     expected = set()
     for folder in family.paths.values():
         file = os.path.realpath(Path(folder) / "model.safetensors")
-        spans = safetensors_spans(file)
-        expected |= {(file, start, length) for start, length in spans.values()}
+        spans = safetensors_spans(file).values()
+        expected |= {(file, start, length) for start, length in spans}
     assert sorted(advised) == sorted(expected)
-    weights, statistics = merges["hinted"]
-    for other_weights, other_statistics in (merges["missing"], merges["failing"]):
-        assert other_statistics == statistics
-        assert other_weights.keys() == weights.keys()
+    (weights, statistics, _), *others = merges
+    for other_weights, other_statistics, _ in others:
+        assert other_statistics == statistics and other_weights.keys() == weights.keys()
         assert all(torch.equal(weights[k], other_weights[k]) for k in weights)
 
 
@@ -87,10 +85,8 @@ from mergekit_ram.integration.statistics import collect_planned, plan_merges
 
 def anon_kib():
     with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise RuntimeError("no RssAnon in /proc/self/status")
+        (line,) = [x for x in status if x.startswith("RssAnon:")]
+    return int(line.split()[1])
 
 
 def sample():
@@ -118,61 +114,40 @@ print(json.dumps(result))
 SHAPE = dict(hidden=256, intermediate=1024, heads=4, kv_heads=4, vocab=256)
 TASKS = (TaskSpec("a", density=0.05), TaskSpec("b", density=0.1))
 DEPTHS = (4, 32)
+PIPES = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.fixture(scope="module")
 def measurements(tmp_path_factory):
     """Both measurements; their checkpoints (about 220 MB) removed afterwards."""
     root = tmp_path_factory.mktemp("memory")
-    try:
-        yield _measure(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _measure(root):
-    procs = {}
-    families = {}
+    procs, families, results = {}, {}, {}
     # Each measurement starts as soon as its family is written.
     for layers in DEPTHS:
-        family = build_family(
-            root / f"family-{layers}",
-            TASKS,
-            layers=layers,
-            dtype=torch.bfloat16,
-            tokenizer=False,
-            **SHAPE,
-        )
-        families[layers] = family
+        options = dict(layers=layers, dtype=torch.bfloat16, tokenizer=False, **SHAPE)
+        families[layers] = family = build_family(root / f"{layers}", TASKS, **options)
         config = root / f"{layers}.yml"
         config.write_text(family.yaml("ramplus", dtype="float32"), encoding="utf-8")
-        procs[layers] = subprocess.Popen(
-            [sys.executable, "-c", MEASURE, str(config)],
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    results = {}
+        command = [sys.executable, "-c", MEASURE, str(config)]
+        procs[layers] = subprocess.Popen(command, cwd=root, text=True, **PIPES)
     for layers, proc in procs.items():
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, err
         results[layers] = json.loads(out.strip().splitlines()[-1])
-    return families, results
+    yield families, results
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.slow
 def test_statistics_pass_memory_follows_largest_group(measurements):
     families, results = measurements
     models = 1 + len(TASKS)
-    small, large = (families[d] for d in DEPTHS)
-    small_base, large_base = small.state("base"), large.state("base")
+    bases = [families[d].state("base") for d in DEPTHS]
     # Same largest tensor, many more tensors.
-    largest = max(t.numel() for t in small_base.values())
-    assert largest == max(t.numel() for t in large_base.values())
+    largest, other = (max(t.numel() for t in b.values()) for b in bases)
+    assert largest == other
     float32_model = {
-        d: 4 * sum(t.numel() for t in f.state("base").values())
-        for d, f in families.items()
+        d: 4 * sum(t.numel() for t in b.values()) for d, b in zip(DEPTHS, bases)
     }
     for d in DEPTHS:
         assert results[d]["num_elements"] * 4 == float32_model[d]
@@ -182,13 +157,8 @@ def test_statistics_pass_memory_follows_largest_group(measurements):
     group_bytes = models * 4 * largest
     assert held_all[32] - held_all[4] > 40 * group_bytes
 
-    growth = {
-        d: 1024 * (results[d]["peak_kib"] - results[d]["baseline_kib"]) for d in DEPTHS
-    }
-    report = (
-        f"pass growth {growth} bytes; largest group {group_bytes} bytes; "
-        f"all inputs {held_all} bytes"
-    )
+    growth = {d: 1024 * (r["peak_kib"] - r["baseline_kib"]) for d, r in results.items()}
+    report = f"pass growth {growth}, largest group {group_bytes}, all inputs {held_all}"
     # The deeper model costs the pass (almost) nothing extra ...
     assert growth[32] - growth[4] < 0.05 * (held_all[32] - held_all[4]), report
     # ... and the pass itself stays within a handful of groups, far below

@@ -32,10 +32,15 @@ def spec_default(name: str):
 EPSILON = spec_default("epsilon")
 
 
-def run(text: str, out: Path, **options) -> Path:
+def run(text: str, out: Path) -> Path:
     config = MergeConfiguration.model_validate(yaml.safe_load(text))
-    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True, **options))
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True))
     return out
+
+
+def run_case(family, out: Path, rule: str = "clip", **options) -> Path:
+    """Global RAM+ of `family` with CASES[rule]."""
+    return run(family.yaml("ramplus", parameters=written(CASES[rule]), **options), out)
 
 
 def merged_state(out: Path) -> dict[str, torch.Tensor]:
@@ -45,39 +50,28 @@ def merged_state(out: Path) -> dict[str, torch.Tensor]:
 
 def assert_same_state(actual, expected):
     assert sorted(actual) == sorted(expected)
-    for name in expected:
-        assert actual[name].dtype == expected[name].dtype, name
-        assert actual[name].shape == expected[name].shape, name
-        assert torch.equal(actual[name], expected[name]), name
+    for name, want in expected.items():
+        assert actual[name].dtype == want.dtype, name
+        assert torch.equal(actual[name], want), name
 
 
 def assert_statistics(doc, paths, base, tasks, *, r, alpha, saturation, lambdas):
     """ram_statistics.json against the reference's whole-model counts."""
     n = len(tasks)
     C, S, U, hist = reference.csu(reference.counts(base, tasks, EPSILON), n)
-    assert doc["epsilon"] == EPSILON
-    assert doc["r"] == r
-    assert doc["alpha"] == alpha
-    assert doc["saturation"] == saturation
-    assert doc["statistics"] == "global"
-    assert doc["num_tensors"] == len(base)
-    assert doc["num_elements"] == sum(t.numel() for t in base.values())
+    settings = [doc[k] for k in ("epsilon", "r", "alpha", "saturation", "statistics")]
+    assert settings == [EPSILON, r, alpha, saturation, "global"]
+    elements = sum(t.numel() for t in base.values())
+    assert (doc["num_tensors"], doc["num_elements"]) == (len(base), elements)
     assert isinstance(doc["seconds"], (int, float)) and doc["seconds"] >= 0
     rows = {row["model"]: row for row in doc["tasks"]}
     assert sorted(rows) == sorted(paths)
     for t, path in enumerate(paths):
         row = rows[path]
-        assert row["changed"] == C[t], path
-        assert row["shared"] == S[t], path
-        assert row["unique"] == U[t], path
-        assert row["overlap_histogram"] == hist[t], path
-        assert row["elements"] == doc["num_elements"]
-        if U[t]:
-            assert row["rho"] == pytest.approx(S[t] / U[t], rel=1e-12)
-        elif S[t]:
-            assert row["rho"] is None
-        else:
-            assert row["rho"] == 0
+        counts = [row[k] for k in ("changed", "shared", "unique", "overlap_histogram")]
+        assert counts == [C[t], S[t], U[t], hist[t]] and row["elements"] == elements
+        rho = S[t] / U[t] if U[t] else (None if S[t] else 0)
+        assert row["rho"] == (rho and pytest.approx(rho, rel=1e-12)), path
         assert row["scale"] == pytest.approx(lambdas[t], rel=1e-12), path
 
 
@@ -94,10 +88,24 @@ def assert_reference(family, out, settings, base, tasks):
     return merged, doc, lambdas
 
 
-CASES = {
-    "clip": dict(r=0.3, alpha=1.0, saturation="clip"),
-    "soft": dict(r=0.25, alpha=spec_default("alpha"), saturation="soft"),
-}
+def checked(family, tmp_path, rule="clip", **options):
+    """Global RAM+ CASES[rule] of `family`, checked by `assert_reference`;
+    returns the base, the tasks, the merged state, the document and λ."""
+    out = run_case(family, tmp_path / "out", rule, **options)
+    base, tasks = family.state("base"), family.task_states()
+    return (base, tasks, *assert_reference(family, out, CASES[rule], base, tasks))
+
+
+def differs(state, other) -> bool:
+    return any(not torch.equal(state[k], other[k]) for k in other)
+
+
+def task_rows(doc) -> dict:
+    return {row["model"]: row for row in doc["tasks"]}
+
+
+CASES = {"clip": dict(r=0.3, alpha=1.0, saturation="clip")}
+CASES["soft"] = dict(r=0.25, alpha=spec_default("alpha"), saturation="soft")
 
 
 def written(settings: dict) -> dict:
@@ -108,46 +116,29 @@ def written(settings: dict) -> dict:
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_global_ramplus_equals_reference(
-    rule, dtype, family_f32, family_bf16, tmp_path
-):
-    family = family_f32 if dtype == "float32" else family_bf16
-    settings = CASES[rule]
-    out = run(family.yaml("ramplus", parameters=written(settings)), tmp_path / "out")
-
-    base = family.state("base")
-    tasks = family.task_states()
+@pytest.mark.parametrize("dtype, name", [("float32", "f32"), ("bfloat16", "bf16")])
+def test_global_ramplus_equals_reference(rule, dtype, name, request, tmp_path):
+    family = request.getfixturevalue(f"family_{name}")
+    base, tasks, merged, _, lambdas = checked(family, tmp_path, rule)
     assert all(t.dtype == getattr(torch, dtype) for t in base.values())
-    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
     assert all(lam > 1 for lam in lambdas)
-
     # The family is built so that tensor-local statistics would give another
     # model: the global scope is what was computed.
-    tensor_scope, _ = reference.merge(base, tasks, statistics="tensor", **settings)
-    assert any(not torch.equal(tensor_scope[k], merged[k]) for k in merged)
+    tensor_scope, _ = reference.merge(base, tasks, statistics="tensor", **CASES[rule])
+    assert differs(tensor_scope, merged)
 
 
 def test_tied_embeddings_counted_once(model_family, tmp_path):
     family = model_family("tied", tie=True, seed=2)
-    base = family.state("base")
-    assert "lm_head.weight" not in base
-    assert "model.embed_tokens.weight" in base
-    settings = CASES["clip"]
-    out = run(family.yaml("ramplus", parameters=written(settings)), tmp_path / "out")
-
-    tasks = family.task_states()
-    merged, _, lambdas = assert_reference(family, out, settings, base, tasks)
+    base, tasks, merged, _, lambdas = checked(family, tmp_path)
+    assert "lm_head.weight" not in base and "model.embed_tokens.weight" in base
     assert "lm_head.weight" not in merged
 
     # Counting the shared matrix a second time (as lm_head) changes λ here,
     # so the test would notice a double count.
-    doubled = {**base, "lm_head.weight": base["model.embed_tokens.weight"]}
-    doubled_tasks = [
-        {**t, "lm_head.weight": t["model.embed_tokens.weight"]} for t in tasks
-    ]
-    _, doubled_lambdas = reference.merge(doubled, doubled_tasks, **settings)
-    assert doubled_lambdas != lambdas
+    doubled = [{**t, "lm_head.weight": t["model.embed_tokens.weight"]} for t in tasks]
+    head = {**base, "lm_head.weight": base["model.embed_tokens.weight"]}
+    assert reference.merge(head, doubled, **CASES["clip"])[1] != lambdas
 
 
 def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
@@ -165,21 +156,10 @@ def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
     base_words = words_for(40)
     extra = tuple(f"x{i}" for i in range(4))
     shuffled = base_words[:3] + tuple(reversed(base_words[3:]))
-    family = model_family(
-        "union",
-        tasks=(
-            TaskSpec("wide", density=0.1, words=base_words + extra),
-            TaskSpec("shuffled", density=0.2, words=shuffled),
-            TaskSpec("same", density=0.3),
-        ),
-        vocab=40,
-        seed=3,
-    )
-    settings = CASES["clip"]
-    text = family.yaml(
-        "ramplus", parameters=written(settings), tokenizer_source="union"
-    )
-    out = run(text, tmp_path / "out")
+    tasks = [TaskSpec("wide", density=0.1, words=base_words + extra)]
+    tasks += [TaskSpec("shuffled", density=0.2, words=shuffled)]
+    family = model_family("union", tasks + [TaskSpec("same", 0.3)], vocab=40, seed=3)
+    out = run_case(family, tmp_path / "out", tokenizer_source="union")
 
     vocab = AutoTokenizer.from_pretrained(str(out)).get_vocab()
     assert sorted(vocab) == sorted(base_words + extra)
@@ -188,75 +168,46 @@ def test_union_tokenizer_counts_permuted_tensors(model_family, tmp_path):
     assert order[: len(base_words)] == list(base_words)
 
     def permuted(name):
-        state = family.state(name)
-        own = {w: i for i, w in enumerate(family.words[name])}
-        donor = family.state("wide")
-        donor_rows = {w: i for i, w in enumerate(family.words["wide"])}
+        """Its rows in the union order; a word it lacks: the row of 'wide'."""
+        state, donor = family.state(name), family.state("wide")
+        row = {w: (donor, i) for i, w in enumerate(family.words["wide"])}
+        row |= {w: (state, i) for i, w in enumerate(family.words[name])}
         for key in ("model.embed_tokens.weight", "lm_head.weight"):
-            rows = []
-            for word in order:
-                if word in own:
-                    rows.append(state[key][own[word]])
-                else:
-                    rows.append(donor[key][donor_rows[word]])
-            state[key] = torch.stack(rows)
+            state[key] = torch.stack([s[key][i] for s, i in map(row.get, order)])
         return state
 
     base = permuted("base")
     tasks = [permuted(n) for n in family.tasks]
     assert base["model.embed_tokens.weight"].shape[0] == len(order)
-    _, doc, _ = assert_reference(family, out, settings, base, tasks)
+    _, doc, _ = assert_reference(family, out, CASES["clip"], base, tasks)
 
     # Without the permutation the shuffled model would look changed almost
     # everywhere in its vocabulary rows.
-    raw_base, raw_shuffled = family.state("base"), family.state("shuffled")
-    raw_changed = sum(
-        int(((raw_shuffled[k].float() - raw_base[k].float()).abs() > EPSILON).sum())
-        for k in raw_base
-    )
-    rows = {row["model"]: row for row in doc["tasks"]}
-    assert rows[family.paths["shuffled"]]["changed"] < raw_changed
+    raw = reference.counts(family.state("base"), [family.state("shuffled")], EPSILON)
+    raw_changed = reference.csu(raw, 1)[0][0]
+    assert task_rows(doc)[family.paths["shuffled"]]["changed"] < raw_changed
 
 
 @pytest.fixture(scope="module")
 def edge_family(model_family):
-    return model_family(
-        "edge",
-        tasks=(
-            TaskSpec("wide", density=0.2),
-            TaskSpec("narrow", density=0.1),
-            TaskSpec("inside", subset_of="wide"),
-            TaskSpec("copy", identical=True),
-        ),
-        seed=4,
-    )
+    tasks = [TaskSpec("wide", 0.2), TaskSpec("narrow", 0.1)]
+    tasks += [TaskSpec("inside", subset_of="wide"), TaskSpec("copy", identical=True)]
+    return model_family("edge", tasks, seed=4)
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
 def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
-    family = edge_family
-    settings = CASES[rule]
-    out = run(family.yaml("ramplus", parameters=written(settings)), tmp_path / "out")
-
-    base = family.state("base")
-    tasks = family.task_states()
-    merged, doc, _ = assert_reference(family, out, settings, base, tasks)
-    rows = {row["model"]: row for row in doc["tasks"]}
-
+    family, settings = edge_family, CASES[rule]
+    base, tasks, merged, doc, _ = checked(family, tmp_path, rule)
+    rows = task_rows(doc)
     inside = rows[family.paths["inside"]]
-    assert inside["changed"] > 0 and inside["unique"] == 0
-    assert inside["shared"] == inside["changed"]
+    assert inside["changed"] == inside["shared"] > 0 and inside["unique"] == 0
+    cap = settings["alpha"] if settings["saturation"] == "clip" else 1.0
     assert inside["rho"] is None
-    limit = 1 + settings["r"] * (
-        settings["alpha"] if settings["saturation"] == "clip" else 1.0
-    )
-    assert inside["scale"] == pytest.approx(limit, rel=1e-12)
-
+    assert inside["scale"] == pytest.approx(1 + settings["r"] * cap, rel=1e-12)
     copy = rows[family.paths["copy"]]
-    assert copy["changed"] == copy["shared"] == copy["unique"] == 0
-    assert copy["overlap_histogram"] == [0] * len(tasks)
-    assert copy["rho"] == 0
-    assert copy["scale"] == 1.0
+    assert copy["changed"] == copy["shared"] == copy["unique"] == copy["rho"] == 0
+    assert copy["overlap_histogram"] == [0] * len(tasks) and copy["scale"] == 1.0
 
     # λ of the task with no unique element is never applied: any value of it
     # gives the same model.
@@ -267,50 +218,35 @@ def test_no_unique_and_identical_task(rule, edge_family, tmp_path):
 
 
 def test_single_task_model(family_f32, tmp_path):
-    family = family_f32
-    settings = CASES["clip"]
-    name = family.tasks[1]
-    out = run(
-        family.yaml("ramplus", parameters=written(settings), tasks=[name]),
-        tmp_path / "out",
-    )
-    base = family.state("base")
-    task = family.state(name)
+    family, settings, name = family_f32, CASES["clip"], family_f32.tasks[1]
+    out = run_case(family, tmp_path / "out", tasks=[name])
+    base, task = family.state("base"), family.state(name)
     expected, lambdas = reference.merge(base, [task], **settings)
     assert lambdas == [1.0]
     assert_same_state(merged_state(out), expected)
     # Unique elements are kept as they are: the task model minus its
     # sub-threshold changes, i.e. the task model itself here.
-    for key in base:
-        assert torch.equal(merged_state(out)[key], task[key]), key
+    assert_same_state(merged_state(out), task)
     (row,) = read_json(out / STATISTICS_FILE)["tasks"]
     assert row["changed"] == row["unique"] > 0
     assert row["shared"] == 0 and row["rho"] == 0 and row["scale"] == 1.0
 
 
 def assert_local_section(card, family, base, tasks, settings) -> None:
-    """Issue 30 item 6: the card of a tensor-local merge has its statistics
+    """The card of a tensor-local merge has its statistics
     section: each agent's counts over the whole model, and the smallest and
     largest λ a tensor gave it, as the dense reference computes them."""
     section = card.split("### RAM+ statistics (tensor-local)")[1]
-    rows = {
-        cells[0]: cells[1:]
-        for line in section.splitlines()
-        if line.startswith("| /")
-        for cells in [[c.strip() for c in line.strip("|").split("|")]]
-    }
+    lines = [x.strip("|").split("|") for x in section.splitlines() if x[:3] == "| /"]
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in lines}
     per_tensor = reference.counts(base, tasks, 1e-5)
     C, S, U, _ = reference.csu(per_tensor, len(tasks))
     elements = sum(t.numel() for t in base.values())
+    rule = (settings["r"], settings["alpha"], "clip")
+    local = [reference.csu({k: v}, len(tasks)) for k, v in per_tensor.items()]
     lams = [
-        [
-            reference.lam(c[t], s[t], u[t], settings["r"], settings["alpha"], "clip")
-            for t in range(len(tasks))
-        ]
-        for c, s, u, _ in (
-            reference.csu({name: counted}, len(tasks))
-            for name, counted in per_tensor.items()
-        )
+        [reference.lam(c[t], s[t], u[t], *rule) for t in range(len(tasks))]
+        for c, s, u, _ in local
     ]
     for t, name in enumerate(family.tasks):
         changed, unique, shared, _rho, lam, _survives = rows[family.paths[name]]
@@ -322,20 +258,17 @@ def assert_local_section(card, family, base, tasks, settings) -> None:
 
 
 def test_tensor_scope_writes_no_statistics_file(family_f32, tmp_path):
-    family = family_f32
-    settings = CASES["clip"]
+    family, settings = family_f32, CASES["clip"]
     text = family.yaml("ramplus", parameters={**settings, "statistics": "tensor"})
     out = run(text, tmp_path / "out")
     assert not (out / STATISTICS_FILE).exists()
-    base = family.state("base")
-    tasks = family.task_states()
+    base, tasks = family.state("base"), family.task_states()
     card = (out / "README.md").read_text(encoding="utf-8")
     assert_local_section(card, family, base, tasks, settings)
     expected, _ = reference.merge(base, tasks, statistics="tensor", **settings)
     merged = merged_state(out)
     assert_same_state(merged, expected)
-    global_scope, _ = reference.merge(base, tasks, **settings)
-    assert any(not torch.equal(global_scope[k], merged[k]) for k in merged)
+    assert differs(reference.merge(base, tasks, **settings)[0], merged)
     # A per-tensor filter on r is allowed with tensor-local statistics.
     value = [{"filter": "mlp", "value": 0.4}, {"value": 0.1}]
     text = family.yaml("ramplus", parameters={"r": value, "statistics": "tensor"})
@@ -353,47 +286,32 @@ def test_ram_writes_no_statistics_and_matches_stock(family_f32, tmp_path):
     family = family_f32
     out = run(family.yaml("ram"), tmp_path / "out")
     assert not (out / STATISTICS_FILE).exists()
-    base = family.state("base")
-    tasks = family.task_states()
+    base, tasks = family.state("base"), family.task_states()
     merged = merged_state(out)
     expected, _ = reference.merge(base, tasks, r=0.0)
     assert_same_state(merged, expected)
 
     # Stock mergekit's RAM on the same float32 inputs.
     models = {"base": base, **{f"t{i}": t for i, t in enumerate(tasks)}}
-    stock = merge_state_dicts(models, stock_ram, base="base")
-    assert sorted(stock) == sorted(merged)
-    for key in merged:
-        assert torch.equal(merged[key], stock[key]), key
+    assert_same_state(merge_state_dicts(models, stock_ram, base="base"), merged)
     # ... which ramplus (r > 0) is not.
-    plus, _ = reference.merge(base, tasks, r=0.1)
-    assert any(not torch.equal(plus[k], merged[k]) for k in merged)
+    assert differs(reference.merge(base, tasks, r=0.1)[0], merged)
 
 
 @pytest.mark.parametrize("given", [[1.5, 1.25, 2.0], [1.75, None, None]])
 def test_explicit_unique_scale_writes_no_statistics_or_counts_the_rest(
     given, family_f32, tmp_path
 ):
-    family = family_f32
-    settings = CASES["soft"]
-    text = family.yaml(
-        "ramplus",
-        parameters=written(settings),
-        model_parameters={
-            name: {"unique_scale": s}
-            for name, s in zip(family.tasks, given)
-            if s is not None
-        },
-    )
-    out = run(text, tmp_path / "out")
-    base = family.state("base")
-    tasks = family.task_states()
+    family, settings = family_f32, CASES["soft"]
+    explicit = {n: {"unique_scale": s} for n, s in zip(family.tasks, given) if s}
+    out = run_case(family, tmp_path / "out", "soft", model_parameters=explicit)
+    base, tasks = family.state("base"), family.task_states()
     expected, lambdas = reference.merge(base, tasks, unique_scale=given, **settings)
     assert_same_state(merged_state(out), expected)
     if None not in given:
         assert not (out / STATISTICS_FILE).exists()
         return
-    rows = {row["model"]: row for row in read_json(out / STATISTICS_FILE)["tasks"]}
+    rows = task_rows(read_json(out / STATISTICS_FILE))
     assert rows[family.paths[family.tasks[0]]]["scale"] == given[0]
     for t, name in enumerate(family.tasks[1:], start=1):
         assert rows[family.paths[name]]["scale"] == pytest.approx(lambdas[t], rel=1e-12)
@@ -419,16 +337,14 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path):
     assert "unique_scale" not in written
 
     doc = read_json(out / STATISTICS_FILE)
-    assert doc["r"] == spec_default("r") and doc["alpha"] == spec_default("alpha")
-    assert doc["saturation"] == spec_default("saturation")
+    for key in ("r", "alpha", "saturation"):
+        assert doc[key] == spec_default(key), key
     card = (out / "README.md").read_text(encoding="utf-8")
-    assert "### RAM+ statistics" in card
-    assert STATISTICS_FILE in card
+    assert "### RAM+ statistics" in card and STATISTICS_FILE in card
     section = card.split("### RAM+ statistics", 1)[1]
     for row in doc["tasks"]:
-        line = next(
-            x for x in section.splitlines() if x.startswith(f"| {row['model']} |")
-        )
+        start = f"| {row['model']} |"
+        line = next(x for x in section.splitlines() if x.startswith(start))
         assert f"{row['scale']:.4f}" in line
         if row["rho"] is not None:
             assert f"{row['rho']:.4f}" in line
@@ -436,13 +352,8 @@ def test_outputs_card_recipe_and_config_untouched(family_f32, tmp_path):
     # With config_source, mergekit_config.yml is that text verbatim.
     out2 = tmp_path / "out2"
     source = "# my recipe\n" + text
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out2),
-        MergeOptions(quiet=True),
-        config_source=source,
-    )
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    mergekit_ram.run_merge(config, str(out2), MergeOptions(quiet=True), source)
     assert (out2 / "mergekit_config.yml").read_text(encoding="utf-8") == source
-    assert (out2 / "model.safetensors").read_bytes() == (
-        out / "model.safetensors"
-    ).read_bytes()
+    weights = (out / "model.safetensors").read_bytes()
+    assert (out2 / "model.safetensors").read_bytes() == weights

@@ -27,26 +27,25 @@ def reference_survival(family, written):
     plus, lambdas = reference.merge(base, tasks, r=R, out_dtype=written)
     ram, _ = reference.merge(base, tasks, out_dtype=written)
     per_tensor = reference.counts(base, tasks, 1e-5)
-    found = []
-    for t in range(len(tasks)):
-        rescaled = survived = 0
-        for name, (_tau, m, c) in per_tensor.items():
+    found = [[0, 0] for _ in tasks]
+    for name, (_tau, m, c) in per_tensor.items():
+        for t, counts in enumerate(found):
             unique = m[t] & (c == 1)
-            rescaled += int(unique.sum())
-            survived += int((plus[name] != ram[name])[unique].sum())
-        found.append((rescaled, survived))
-    return found, lambdas
+            counts[0] += int(unique.sum())
+            counts[1] += int((plus[name] != ram[name])[unique].sum())
+    return [tuple(counts) for counts in found], lambdas
 
 
-def merge(family, out, out_dtype=None, device="cpu"):
-    extra = {"out_dtype": out_dtype} if out_dtype else {}
-    text = family.yaml("ramplus", parameters={"r": R}, **extra)
-    mergekit_ram.run_merge(
-        MergeConfiguration.model_validate(yaml.safe_load(text)),
-        str(out),
-        MergeOptions(quiet=True, device=device),
-    )
-    return read_json(Path(out) / "ram_statistics.json")
+def merge(text, out, device="cpu"):
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    mergekit_ram.run_merge(config, str(out), MergeOptions(quiet=True, device=device))
+    statistics = Path(out) / "ram_statistics.json"
+    return read_json(statistics) if statistics.exists() else None
+
+
+def lost_warnings(caplog) -> list[str]:
+    said = [r.getMessage() for r in caplog.records]
+    return [m for m in said if "out_dtype: float32" in m]
 
 
 @pytest.mark.parametrize("out_dtype", [None, "float32"])
@@ -54,22 +53,23 @@ def test_statistics_count_what_survives(
     out_dtype, family_bf16, tmp_path, caplog, on_device
 ):
     """The whole merge (the statistics pass included) on `on_device`."""
-    family = family_bf16
+    extra = {"out_dtype": out_dtype} if out_dtype else {}
+    text = family_bf16.yaml("ramplus", parameters={"r": R}, **extra)
     with caplog.at_level(logging.WARNING, logger="mergekit_ram"):
-        doc = merge(family, tmp_path / "out", out_dtype, on_device)
+        doc = merge(text, tmp_path / "out", on_device)
     written = getattr(torch, out_dtype or "bfloat16")
-    want, lambdas = reference_survival(family, written)
+    want, lambdas = reference_survival(family_bf16, written)
     assert all(lam > 1 for lam in lambdas)
     rows = doc["tasks"]
     assert [(row["rescaled"], row["rescale_survived"]) for row in rows] == want
     assert doc["written_dtypes"] == [str(written).removeprefix("torch.")]
     card = (tmp_path / "out" / "README.md").read_text()
     assert "λ survives" in card
-    lost = [r for r in caplog.records if "out_dtype: float32" in r.getMessage()]
+    lost = lost_warnings(caplog)
     if out_dtype is None:
         # bf16 loses most of it, and the merge says so once, with the fix.
         assert sum(s for _, s in want) < 0.5 * sum(n for n, _ in want)
-        assert len(lost) == 1 and "twice the size" in lost[0].getMessage()
+        assert len(lost) == 1 and "twice the size" in lost[0]
         assert "out_dtype: float32" in card
     else:
         assert want == [(n, n) for n, _ in want]
@@ -78,20 +78,11 @@ def test_statistics_count_what_survives(
 
 def test_explicit_scale_without_pass_still_warns(family_bf16, tmp_path, caplog):
     """No statistics pass (explicit λ), so no ram_statistics.json: the line only."""
-    family = family_bf16
-    text = family.yaml(
-        "ramplus",
-        model_parameters={name: {"unique_scale": 1.001} for name in family.tasks},
-    )
+    explicit = {name: {"unique_scale": 1.001} for name in family_bf16.tasks}
+    text = family_bf16.yaml("ramplus", model_parameters=explicit)
     with caplog.at_level(logging.WARNING, logger="mergekit_ram"):
-        mergekit_ram.run_merge(
-            MergeConfiguration.model_validate(yaml.safe_load(text)),
-            str(tmp_path / "out"),
-            MergeOptions(quiet=True),
-        )
-    assert not (tmp_path / "out" / "ram_statistics.json").exists()
-    lost = [r for r in caplog.records if "out_dtype: float32" in r.getMessage()]
-    assert len(lost) == 1
+        assert merge(text, tmp_path / "out") is None
+    assert len(lost_warnings(caplog)) == 1
 
 
 def test_merge_tasks_on_worker_threads_count_into_their_run(
@@ -113,6 +104,6 @@ def test_merge_tasks_on_worker_threads_count_into_their_run(
 
     want, _ = reference_survival(family_bf16, torch.bfloat16)
     monkeypatch.setattr(mergekit.merge, "Executor", ThreadedExecutor)
-    doc = merge(family_bf16, tmp_path / "out")
+    doc = merge(family_bf16.yaml("ramplus", parameters={"r": R}), tmp_path / "out")
     assert [(row["rescaled"], row["rescale_survived"]) for row in doc["tasks"]] == want
     assert all(rescaled > 0 for rescaled, _ in want)

@@ -8,13 +8,18 @@ parametrized test below and the docs/errors.md table of their messages.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import reference
+import torch
 import yaml
 from click.testing import CliRunner
+from conftest import merge
 from mergekit.config import MergeConfiguration
 from mergekit.options import MergeOptions
 from rejected_inputs import (
@@ -28,7 +33,9 @@ from rejected_inputs import (
     placeholders,
     render_table,
     run_case,
+    warnings_logged,
 )
+from safetensors.torch import load_file
 
 import mergekit_ram
 from mergekit_ram.commands.synthetic import build_models
@@ -85,42 +92,17 @@ def test_errors_page_table_matches_the_messages(outcomes):
         )
 
 
-def test_weight_spy_catches_reads(family_f32, tmp_path):
-    """The guard the config-stage cases run under does see a checkpoint read."""
-    config = config_of(family_f32.config_dict("ramplus"))
-    with no_weight_reads(), pytest.raises(AssertionError, match="checkpoint"):
+@pytest.mark.parametrize(
+    "r, error, match",
+    [(-1, ValueError, "parameters.r"), (0.5, AssertionError, "checkpoint")],
+)
+def test_python_api_refuses_before_reading(r, error, match, family_f32, tmp_path):
+    """A bad r is refused before any read; the guard the config-stage cases
+    run under does see the reads of a good one."""
+    config = config_of(family_f32.config_dict("ramplus", parameters={"r": r}))
+    with no_weight_reads(), pytest.raises(error, match=match):
         mergekit_ram.run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True))
-
-
-def test_python_api_refuses_before_reading(family_f32, tmp_path):
-    config = config_of(family_f32.config_dict("ramplus", parameters={"r": -1}))
-    with no_weight_reads(), pytest.raises(ValueError, match="parameters.r"):
-        mergekit_ram.run_merge(config, str(tmp_path / "out"), MergeOptions(quiet=True))
-    assert not (tmp_path / "out").exists()
-
-
-def mergekit_yaml(config: Path, out: Path, plugin: bool = True):
-    """A `mergekit-yaml` process, with the plugin's autoload on or off."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env["MERGEKIT_RAM_AUTOLOAD"] = "1" if plugin else "0"
-    command = [str(BIN / "mergekit-yaml"), str(config), str(out), "--quiet"]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_stock_mergekit_yaml_refuses_a_key_written_twice(family_f32, tmp_path):
-    """mergekit-yaml's safe_load keeps the last `parameters:`; the wrapper
-    reads the text it was given again and refuses the repeat."""
-    from mergekit.scripts.run_yaml import main as mergekit_yaml
-
-    mergekit_ram.install()
-    path = tmp_path / "twice.yml"
-    text = family_f32.yaml("ramplus", parameters={"r": 0.5})
-    path.write_text(text + "parameters: {alpha: 1.0}\n")
-    with no_weight_reads():
-        result = CliRunner().invoke(mergekit_yaml, [str(path), str(tmp_path / "out")])
-    assert result.exit_code == 2, result.output
-    assert "the key 'parameters' is written twice" in result.output
-    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+    assert error is AssertionError or not (tmp_path / "out").exists()
 
 
 def test_example_configs_pass(tmp_path, monkeypatch):
@@ -169,29 +151,88 @@ def test_valid_family_configs_pass(name, family_f32):
 
 def test_model_paths_with_a_space_and_a_quote_pass(family_f32, tmp_path):
     """mergekit 0.1.5 cannot write such a path as JSON; the checks need not."""
-    paths = {}
     for name, path in family_f32.paths.items():
         (tmp_path / f'{name} "q"').symlink_to(path)
-        paths[name] = str(tmp_path / f'{name} "q"')
-    document = family_f32.config_dict("ramplus", base_model=paths["base"])
+    document = family_f32.config_dict("ramplus", base_model=f'{tmp_path}/base "q"')
     for entry, name in zip(document["models"], family_f32.tasks):
-        entry["model"] = paths[name]
+        entry["model"] = f'{tmp_path}/{name} "q"'
     with no_weight_reads():
         assert not check_config(config_of(document)).warnings
 
 
 def test_slices_with_the_base_pass(family_f32):
-    document = family_f32.config_dict("ramplus", parameters={"r": 0.2})
-    del document["models"]
-    document["slices"] = [
-        {
-            "sources": [
-                {"model": family_f32.paths[name], "layer_range": [0, 2]}
-                for name in ("base", *family_f32.tasks)
-            ]
-        }
-    ]
+    names = ("base", *family_f32.tasks)
+    sources = [{"model": family_f32.paths[n], "layer_range": [0, 2]} for n in names]
+    slices = [{"sources": sources}]
+    document = family_f32.config_dict(parameters={"r": 0.2}, models=None, slices=slices)
     check_config(config_of(document))
+
+
+def test_a_slice_of_the_base_alone_merges_as_stock_does(family_f32, tmp_path):
+    """Keep the lower layers, merge the upper: one task model per
+    configuration is the rule, not per slice."""
+    names = ("base", *family_f32.tasks)
+    upper = [{"model": family_f32.paths[n], "layer_range": [1, 2]} for n in names]
+    lower = [{"model": family_f32.base, "layer_range": [0, 1]}]
+    slices = [{"sources": lower}, {"sources": upper}]
+    document = family_f32.config_dict("ram", models=None, slices=slices)
+    merged = load_file(merge(document, tmp_path / "out") / "model.safetensors")
+    base, *tasks = (family_f32.state(n) for n in names)
+    expected, _ = reference.merge(base, tasks)
+    for name in (n for n in merged if ".layers." in n):
+        want = (base if ".layers.0." in name else expected)[name]
+        assert torch.equal(merged[name], want), name
+
+
+def test_revisions_and_adapters_are_other_models(family_f32, tmp_path):
+    """Branches of one repo, and BASE+adapter, are models of their own (as
+    for stock mergekit); the same name and revision twice is refused."""
+    (adapter := tmp_path / "adapter").mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    document = family_f32.config_dict("ramplus")
+    adapted = f"{family_f32.base}+{adapter}"
+    names = ["agents/checkpoints@coder", "agents/checkpoints@tool", adapted]
+    document["models"] = [{"model": name} for name in names]
+    with no_weight_reads():
+        check_config(config_of(document))
+    document["models"].append({"model": "agents/checkpoints@tool"})
+    with pytest.raises(
+        RAMInputError, match=r"models\[3\].*already listed as models\[1\]"
+    ):
+        check_config(config_of(document))
+
+
+def test_local_models_are_checked_whatever_the_base(family_f32, tmp_path, monkeypatch):
+    """A name spelled like a hub id that is no local folder is mergekit's to
+    fetch: validation asks nothing of the hub, and checks each local task
+    model alone: a truncated one is refused before anything is downloaded."""
+    import huggingface_hub
+
+    no_network = mock.Mock(side_effect=AssertionError("validation looked a model up"))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    monkeypatch.setattr(huggingface_hub, "get_session", no_network)
+    document = family_f32.config_dict("ramplus", base_model="some-org/base")
+    check_config(config_of(document))
+    cut = tmp_path / "cut"
+    shutil.copytree(family_f32.paths["alpha"], cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    document["models"][0]["model"] = str(cut)
+    with pytest.raises(RAMInputError, match="cut: model.safetensors is not a valid"):
+        check_config(config_of(document))
+
+
+def test_an_input_inside_out_merges(family_f32, tmp_path):
+    """OUT a project folder holding ./models/x: publishing writes only OUT's
+    top-level entries, so the input is never touched."""
+    project = tmp_path / "project"
+    shutil.copytree(family_f32.paths["gamma"], project / "models" / "gamma")
+    before = (project / "models" / "gamma" / "model.safetensors").read_bytes()
+    document = family_f32.config_dict("ramplus")
+    document["models"][2]["model"] = str(project / "models" / "gamma")
+    merge(document, project)
+    assert (project / "model.safetensors").exists()
+    assert (project / "models" / "gamma" / "model.safetensors").read_bytes() == before
 
 
 def test_other_methods_are_left_alone(family_f32, tmp_path):
@@ -206,49 +247,39 @@ def test_other_methods_are_left_alone(family_f32, tmp_path):
         check_config(config, user=ANALYZE)
 
 
-def test_hub_ids_are_left_to_mergekit(family_f32, monkeypatch):
-    """A name spelled like a hub id that is no local folder is mergekit's to
-    fetch: validation asks nothing of the hub."""
-    import huggingface_hub
-
-    def no_network(*_args, **_kwargs):
-        raise AssertionError("validation must not look a model up")
-
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
-    monkeypatch.setattr(huggingface_hub, "get_session", no_network)
-    document = family_f32.config_dict("ramplus", base_model="some-org/some-model")
-    check_config(config_of(document))
-
-
 # Mistakes stock mergekit silently ignored (or met with a traceback): refused
 # by `mergekit-yaml` itself too, with the message `mergekit-ram merge` prints.
+# mergekit-yaml's safe_load keeps the last of a key written twice: the wrapper
+# reads the text it was given again and refuses the repeat.
 DROPPED = [
     case
     for case in CASES
     if case.id.split("-")[0] in ("key", "parameter", "two", "method")
     and case.kind == "error"
+    or case.id == "yaml-duplicate-key"
 ]
 
 
 @pytest.mark.parametrize("case", DROPPED, ids=lambda case: case.id)
-def test_stock_mergekit_yaml_refuses_the_same_mistakes(case, outcomes, workspace):
+def test_stock_mergekit_yaml_refuses_the_same_mistakes(
+    case, outcomes, workspace, monkeypatch
+):
     from mergekit.scripts.run_yaml import main as mergekit_yaml
 
     mergekit_ram.install()
-    assert len(DROPPED) == 10
+    assert len(DROPPED) == 11
     config = workspace.root / f"{case.id}.yml"  # written by the outcomes run
     out = workspace.root / f"stock-{case.id}"
-    previous = os.getcwd()
-    os.chdir(workspace.root)
-    try:
-        with no_weight_reads():
-            result = CliRunner().invoke(mergekit_yaml, [str(config), str(out)])
-    finally:
-        os.chdir(previous)
+    monkeypatch.chdir(workspace.root)
+    with no_weight_reads():
+        result = CliRunner().invoke(mergekit_yaml, [str(config), str(out)])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
     printed = placeholders(result.output, workspace).strip()
-    assert printed == f"Error: {outcomes[case.id].message}"
+    said = outcomes[case.id].message
+    if case.id.startswith("yaml"):  # the wrapper re-reads text, not the file
+        said = "The configuration: " + said.split(": ", 1)[1]
+    assert printed == f"Error: {said}"
     assert not out.exists()
 
 
@@ -276,29 +307,25 @@ def test_a_template_switched_to_ram_merges_as_stock_does(
     """Stock mergekit ignores what `ram` does not use: so do we, with one
     warning line per ignored key on mergekit-yaml's stderr, and the weights
     of the same merge without those keys."""
-    plain = tmp_path / "plain.yml"
-    plain.write_text(family_f32.yaml("ram"))
-    templated = tmp_path / "templated.yml"
-    templated.write_text(family_f32.yaml("ram", **TEMPLATES[template]))
+    from mergekit.scripts.run_yaml import main as stock_mergekit_yaml
+
+    mergekit_ram.install()
     runs = {}
-    for path in (plain, templated):
-        runs[path.stem] = mergekit_yaml(path, tmp_path / f"out-{path.stem}")
-        assert runs[path.stem].returncode == 0, runs[path.stem].stderr
-    warned = [
-        line
-        for line in runs["templated"].stderr.splitlines()
-        if line.startswith("WARNING:mergekit_ram:")
-    ]
+    for stem, keys in (("plain", {}), ("templated", TEMPLATES[template])):
+        (path := tmp_path / f"{stem}.yml").write_text(family_f32.yaml("ram", **keys))
+        with warnings_logged() as runs[stem]:
+            args = [str(path), str(tmp_path / f"out-{stem}")]
+            result = CliRunner().invoke(stock_mergekit_yaml, args)
+        assert result.exit_code == 0, result.output
+    warned = runs["templated"]
     keys = {
         f"models[{i}].parameters.{key}"
         for i, name in enumerate(family_f32.tasks)
         for key in TEMPLATES[template]["model_parameters"].get(name, {})
     } | {f"parameters.{key}" for key in TEMPLATES[template]["parameters"]}
     assert len(warned) == len(keys), warned
-    assert all(
-        any(line.split(":", 2)[2].startswith(k) for line in warned) for k in keys
-    )
-    assert "WARNING:mergekit_ram" not in runs["plain"].stderr
+    assert all(any(line.startswith(k) for line in warned) for k in keys)
+    assert not runs["plain"]
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "out-plain" / name).read_bytes() == (
             tmp_path / "out-templated" / name
@@ -335,17 +362,19 @@ def test_other_methods_print_and_write_what_stock_mergekit_does(
     runs, files = {}, {}
     for plugin in (True, False):
         out = tmp_path / str(plugin) / "merged"
-        runs[plugin] = mergekit_yaml(config, out, plugin)
+        env = {**os.environ, "MERGEKIT_RAM_AUTOLOAD": str(int(plugin))}
+        command = [str(BIN / "mergekit-yaml"), str(config), str(out), "--quiet"]
+        runs[plugin] = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=300
+        )
         assert runs[plugin].returncode == 0, runs[plugin].stderr
         files[plugin] = {
-            p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()
+            p.relative_to(out): sorted(p.read_bytes().splitlines())
+            if p.name == "README.md"
+            else p.read_bytes()
+            for p in out.rglob("*")
+            if p.is_file()
         }
     assert runs[True].stdout == runs[False].stdout
     assert runs[True].stderr == runs[False].stderr
-    assert files[True].keys() == files[False].keys() and files[True]
-    for name, data in files[True].items():
-        if name == Path("README.md"):
-            data, other = (sorted(d.splitlines()) for d in (data, files[False][name]))
-            assert data == other
-        else:
-            assert data == files[False][name], name
+    assert files[True] == files[False] and files[True]

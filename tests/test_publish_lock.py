@@ -12,11 +12,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from faults import NEW, NEWER, OLD, ours_left, run_protocol, tmpfs, tree, writer
+from faults import NEW, NEWER, OLD, Driver, ours_left, tmpfs, tree, writer
 
 import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
@@ -39,38 +38,36 @@ def test_one_lock_for_every_spelling(tmp_path, monkeypatch):
     assert (tmp_path / "real" / "config.json").read_text() == NEW["config.json"]
 
 
+# Forks a racer per folder in argv; all wait on one pipe, go when it closes.
 RACER = """
-import sys, time
+import os, sys
 from pathlib import Path
 from mergekit_ram.integration.output_folder import OutputError, staged_merge
-time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
-try:
-    staged_merge(sys.argv[1], lambda s: Path(s, "config.json").write_text("x"))
-except OutputError as error:
-    print(error)
+go, start = os.pipe()
+for where in sys.argv[1:]:
+    if os.fork() == 0:
+        os.close(start)
+        os.read(go, 1)
+        try:
+            staged_merge(where, lambda s: Path(s, "config.json").write_text("x"))
+        except OutputError as error:
+            os.write(1, f"{str(error)!a}\\n".encode())  # one write: lines stay whole
+        os._exit(0)
+os.close(start)
+print(sorted(os.wait()[1] for _ in sys.argv[1:]), flush=True)
 """
 
 
-@pytest.mark.parametrize("nested", [False, True])
-def test_racing_merges_win_or_say_another_merge_is_writing(tmp_path, nested):
-    """Six merges into one new folder at once (or each into a folder inside
-    the previous one's): each publishes or says another merge is writing."""
-    out, start, outs = tmp_path / "out", time.time() + 2, []
-    for i in range(6):
-        outs.append(Path(out, *["sub"] * i) if nested else out)
-    racers = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, str(where), str(start)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for where in outs
-    ]
-    for racer in racers:
-        output = racer.communicate(timeout=60)[0]
-        assert racer.returncode == 0, output
-        assert output == "" or output.startswith("Another merge is writing"), output
+def test_racing_merges_win_or_say_another_merge_is_writing(tmp_path):
+    """Six merges into one new folder at once, and six each into a folder
+    inside the previous one's: each publishes or says another merge is writing."""
+    outs = [tmp_path / "one" for _ in range(6)]
+    outs += [Path(tmp_path / "nested", *["sub"] * i) for i in range(6)]
+    racing = [sys.executable, "-c", RACER, *map(str, outs)]
+    said = subprocess.run(racing, capture_output=True, text=True, timeout=60)
+    *lines, statuses = said.stdout.splitlines()
+    assert statuses == str([0] * len(outs)), said.stdout + said.stderr
+    assert all(line.startswith("'Another merge is writing") for line in lines), lines
     for where in outs:
         assert (where / "config.json").read_text() == "x" and ours_left(where) == []
 
@@ -131,27 +128,24 @@ def nobody(tmp_path):
     """run(out) -> a protocol run as the user `nobody`, in a folder it can reach."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0 or not shutil.which("setpriv"):
         pytest.skip("needs root and setpriv to run as another user")
-    user = pwd.getpwnam("nobody")
-    prefix = ("setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}")
     import filelock
 
-    path = [str(Path(output_folder.__file__).parents[2])]
-    env = {
-        "PYTHONPATH": os.pathsep.join([*path, str(Path(filelock.__file__).parents[1])])
-    }
+    user = pwd.getpwnam("nobody")
+    ids = (f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups")
+    reach = [
+        Path(output_folder.__file__).parents[2],
+        Path(filelock.__file__).parents[1],
+    ]
+    env = {"PYTHONPATH": os.pathsep.join(str(p) for p in reach)}
     # What the driver imports (the package, filelock, safetensors), not less.
-    driver = "import mergekit_ram.integration.output_folder"
-    probe = [*prefix, "--clear-groups", sys.executable, "-c", driver]
-    if subprocess.run(probe, env={**os.environ, **env}).returncode != 0:
+    probe = [sys.executable, "-c", "import mergekit_ram.integration.output_folder"]
+    if subprocess.run(["setpriv", *ids, *probe], env={**os.environ, **env}).returncode:
         pytest.skip("no Python and package here that `nobody` may run")
     root = Path(tempfile.mkdtemp(prefix="mergekit-ram-nobody-"))
     root.chmod(0o755)
-
-    def run(out: Path) -> tuple[int, str, int | None]:
-        clear = (*prefix, "--clear-groups")
-        return run_protocol(root, out, 0, "SIGKILL", env=env, prefix=clear)
-
-    yield root, user, run
+    driver = Driver(prefix=("setpriv", *ids), env=env)
+    yield root, user, lambda out: driver.publish(out, 0, "SIGKILL")
+    driver.close()
     shutil.rmtree(root)
 
 

@@ -5,46 +5,36 @@ leaves exactly its merge and the user's files."""
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import os
-import re
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import mergekit.merge
 import pytest
+import safetensors.torch
 from click.testing import CliRunner
 from conftest import merge
-from faults import (
-    EXITS,
-    SIGNALS,
-    STATE,
-    check_exit,
-    default_signals,
-    ours_left,
-    raise_on,
-    run_interrupted,
-    writing,
-)
-from safetensors.torch import save_file
+from faults import STATE, Driver, ours_left, raise_on, settled, sweep, tree
+from mergekit.scripts.run_yaml import main as mergekit_yaml
 
+import mergekit_ram
 import mergekit_ram.integration.methods as methods
-import mergekit_ram.integration.output_folder as output_folder
 from mergekit_ram.commands.cli import main
 from mergekit_ram.core.errors import RAMInputError
+from mergekit_ram.integration.output_folder import staged_merge
 
 SHARDS = 16_000  # bytes: the tiny models' merges span several shards
-LATE = "model.layers.1.mlp.down_proj.weight"  # merged after many others
 # What a finished merge of the tiny models has (sharded: with an index).
 COMPLETE = {"config.json", "README.md", "mergekit_config.yml", "ram_statistics.json"}
+# What every run writes anew (the card, the statistics, the recipe): compared
+# by presence only.
+ANEW = ("README.md", "ram_statistics.json", "mergekit_config.yml")
 
 
 @pytest.fixture(scope="module")
 def family(model_family):
-    return model_family("publishing", seed=21)
+    return model_family("safety", seed=21)  # test_inputs_checked_never_written's
 
 
 def cli(*args: str, code: int = 0) -> str:
@@ -53,17 +43,9 @@ def cli(*args: str, code: int = 0) -> str:
     return result.output
 
 
-def hashes(folder: Path, volatile: bool = False) -> dict[str, str]:
-    """sha256 of every file under folder but our own (by presence only for
-    what every run writes anew: the card, the statistics, the recipe)."""
-    return {
-        str(p.relative_to(folder)): "present"
-        if volatile
-        and p.name in {"README.md", "ram_statistics.json", "mergekit_config.yml"}
-        else hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.relative_to(folder).parts[0] != STATE
-    }
+def config_file(family, folder: Path, method: str = "ram") -> str:
+    (folder / f"{method}.yml").write_text(family.yaml(method))
+    return str(folder / f"{method}.yml")
 
 
 @pytest.fixture(scope="module")
@@ -75,84 +57,70 @@ def fresh(family, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def poisoned(family, tmp_path_factory) -> str:
-    """beta with a NaN in a late tensor: a merge that fails while merging."""
-    path = tmp_path_factory.mktemp("poisoned") / "beta"
-    shutil.copytree(family.paths["beta"], path)
-    state = family.state("beta")
-    state[LATE].view(-1)[3] = float("nan")
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path)
-
-
-def with_model(config: dict, family, task: str, path: str) -> dict:
-    for entry in config["models"]:
-        if entry["model"] == family.paths[task]:
-            entry["model"] = path
-    return config
-
-
-FAILURES = {  # mid-merge; after config.json was staged; writing the manifest
+FULL = OSError(errno.ENOSPC, "No space left on device", "model-1.safetensors")
+FAILURES = {  # mid-merge; after config.json was staged; writing a shard
     "kernel error": (methods, "ram_merge_tensor", RuntimeError("boom"), 12),
     "Ctrl-C": (methods, "ram_merge_tensor", KeyboardInterrupt(), 12),
     "card error": (mergekit.merge, "generate_card", RuntimeError("card"), 1),
-    "publish error": (
-        output_folder.os,
-        "replace",
-        OSError(28, "No space left on device"),
-        lambda src, dst: dst.endswith("manifest.json"),
-    ),
+    "full disk": (safetensors.torch, "save_file", FULL, 1),
 }
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 def test_a_failed_rerun_leaves_the_previous_merge_byte_for_byte(
-    failure, family, fresh, tmp_path, monkeypatch
+    failure, family, fresh, tmp_path, monkeypatch, capsys
 ):
+    """A bug: one line saying OUT is as it was, then the exception itself; the
+    environment: an OSError (its errno kept, for code that retries on it)
+    that is one error saying why, where OUT stands and what to do; Ctrl-C
+    through stock mergekit-yaml: our line, click's `Aborted!`, exit 1 (a real
+    SIGINT mid-merge: test_mergekit_yaml_interrupted_at_every_step)."""
     out = tmp_path / "out"
     shutil.copytree(fresh, out)
     (out / "notes.txt").write_text("mine")
-    before = hashes(out)
-    module, name, error, nth = FAILURES[failure]
-    raise_on(monkeypatch, module, name, error, nth)
-    if isinstance(error, OSError):  # the environment: one error, where OUT stands
-        said = re.escape(f"{error.strerror}; {out} is as it was")
-        with pytest.raises(RAMInputError, match=said):
+    before = tree(out)
+    raise_on(monkeypatch, *FAILURES[failure])
+    if failure == "Ctrl-C":
+        mergekit_ram.install()
+        args = [config_file(family, tmp_path, "ramplus"), str(out), "--quiet"]
+        result = CliRunner().invoke(mergekit_yaml, [*args, "--out-shard-size", "16000"])
+        assert result.exit_code == 1, result.output
+        assert f"mergekit-ram: Ctrl-C: {out} is as it was." in result.output
+        assert result.output.rstrip().endswith("Aborted!")
+    else:
+        with pytest.raises(Exception) as raised:
             merge(family.config_dict(), out, out_shard_size=SHARDS)
-    else:  # Ctrl-C or a bug: the exception itself
-        with pytest.raises(type(error)):
-            merge(family.config_dict(), out, out_shard_size=SHARDS)
+        error, cause = raised.value, raised.value
+        if failure == "full disk":
+            assert isinstance(error, RAMInputError) and error.errno == errno.ENOSPC
+            said = f"No space left on device (model-1.safetensors); {out} is as it was"
+            assert f"{said}. Free space on that disk, then run" in str(error)
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            assert cause is FULL
+        else:
+            assert error is FAILURES[failure][2], error
+            said = f"mergekit-ram: the merge stopped: {out} is as it was.\n"
+            assert said in capsys.readouterr().err
     monkeypatch.undo()
-    assert hashes(out) == before and not ours_left(out)
+    assert tree(out) == before and not ours_left(out)
     merge(family.config_dict(), out, out_shard_size=SHARDS)
-    assert hashes(out, True) == {
-        **hashes(fresh, True),
-        "notes.txt": before["notes.txt"],
-    }
+    assert tree(out, ANEW) == {**tree(fresh, ANEW), "notes.txt": before["notes.txt"]}
 
 
 def test_reruns_leave_exactly_their_merge_and_the_users_files(family, tmp_path):
     """Stale shards and the old tokenizer go; the user's notes, README (with
     --no-write-model-card) and tokenizer_notes.md stay."""
-    out = tmp_path / "out"
-    config = tmp_path / "ram.yml"
-    config.write_text(family.yaml("ram"))
-    cli("merge", str(config), str(out), "--out-shard-size", str(SHARDS))
+    out, config = tmp_path / "out", config_file(family, tmp_path)
+    cli("merge", config, str(out), "--out-shard-size", str(SHARDS))
     tokenizer = {n for n in os.listdir(out) if n.startswith("tokenizer")}
     assert tokenizer and "model.safetensors.index.json" in os.listdir(out)
     (out / "notes.txt").write_text("mine")
     (out / "tokenizer_notes.md").write_text("the user's, not the merge's")
     (out / "README.md").write_text("my card")
     for _ in range(2):
-        cli("merge", str(config), str(out), "--no-copy-tokenizer")
-        cli(
-            "merge",
-            str(config),
-            str(out),
-            "--no-copy-tokenizer",
-            "--no-write-model-card",
-        )
+        cli("merge", config, str(out), "--no-copy-tokenizer")
+        cli("merge", config, str(out), "--no-copy-tokenizer", "--no-write-model-card")
     names = set(os.listdir(out))
     assert not tokenizer & names and not [n for n in names if "-of-" in n]
     assert (out / "notes.txt").read_text() == "mine" and ours_left(out) == []
@@ -160,30 +128,28 @@ def test_reruns_leave_exactly_their_merge_and_the_users_files(family, tmp_path):
     out2 = tmp_path / "out2"
     out2.mkdir()
     (out2 / "README.md").write_text("my notes")
-    cli("merge", str(config), str(out2), "--no-write-model-card")
+    cli("merge", config, str(out2), "--no-write-model-card")
     assert (out2 / "README.md").read_text() == "my notes"
 
 
 def test_refused_before_anything_is_touched(family, fresh, tmp_path, monkeypatch):
-    """A refused configuration, an OUT that is an input, an empty OUT path
-    (also through stock mergekit-yaml): OUT and the inputs as they were."""
-    from mergekit.scripts.run_yaml import main as mergekit_yaml
-
+    """A refused configuration (a bad value, a misspelt key), an OUT that is
+    an input, an empty OUT path (through stock mergekit-yaml): OUT and the
+    inputs as they were."""
     out = tmp_path / "out"
     shutil.copytree(fresh, out)
-    before, inputs = hashes(out), hashes(Path(family.root))
-
-    with pytest.raises(RAMInputError, match="saturation"):  # a bad value
-        merge(family.config_dict(parameters={"saturation": "bogus"}), out)
+    before, inputs = tree(out), tree(Path(family.root))
+    for key, value in (("saturation", "bogus"), ("epsilonn", 1e-5)):
+        with pytest.raises(RAMInputError, match=key):
+            merge(family.config_dict(parameters={key: value}), out)
     with pytest.raises(RAMInputError, match="would change an input"):
         merge(family.config_dict("ram"), Path(family.paths["gamma"]))
-    config = tmp_path / "ram.yml"
-    config.write_text(family.yaml("ram"))
+    config = config_file(family, tmp_path)
     monkeypatch.chdir(out)
-    result = CliRunner().invoke(mergekit_yaml, [str(config), "", "--quiet"])
+    result = CliRunner().invoke(mergekit_yaml, [config, "", "--quiet"])
     assert result.exit_code == 2, result.output
     assert "Error: The output folder path is empty" in result.output
-    assert hashes(out) == before and hashes(Path(family.root)) == inputs
+    assert tree(out) == before and tree(Path(family.root)) == inputs
 
 
 def test_our_folder_removed_mid_merge_is_one_error(
@@ -191,11 +157,9 @@ def test_our_folder_removed_mid_merge_is_one_error(
 ):
     """`rm -rf OUT/.mergekit-ram` while the tensors merge: one `Error:`
     (exit 2) that truly says OUT is the old merge; the next run publishes."""
-    out = tmp_path / "out"
+    out, config = tmp_path / "out", config_file(family, tmp_path)
     shutil.copytree(fresh, out)
-    before = hashes(out)
-    config = tmp_path / "ram.yml"
-    config.write_text(family.yaml("ram"))
+    before = tree(out)
     real = methods.ram_merge_tensor
 
     def removing(*args, **kwargs):
@@ -204,141 +168,73 @@ def test_our_folder_removed_mid_merge_is_one_error(
 
     with monkeypatch.context() as patched:
         patched.setattr(methods, "ram_merge_tensor", removing)
-        said = cli("merge", str(config), str(out), "--out-shard-size", "16000", code=2)
+        said = cli("merge", config, str(out), "--out-shard-size", "16000", code=2)
     assert said.startswith(f"Error: The merge into {out} stopped: No such file")
     assert f"{out} is as it was." in said and "Traceback" not in said
-    assert hashes(out) == before and not ours_left(out)
-    cli("merge", str(config), str(out), "--out-shard-size", "16000")
+    assert tree(out) == before and not ours_left(out)
+    cli("merge", config, str(out), "--out-shard-size", "16000")
     assert (out / "config.json").is_file() and not ours_left(out)
 
 
 def test_a_second_merge_into_out_fails_at_once(family, tmp_path):
-    """A real second process holds OUT (as a merge in progress does)."""
-    config = tmp_path / "ram.yml"
-    config.write_text(family.yaml("ram"))
-    out = tmp_path / "out"
-    holder = writing(out)
-    try:
-        said = cli("merge", str(config), str(out), code=2)
-        assert "Another merge is writing into" in said and holder.poll() is None
-    finally:
-        holder.send_signal(signal.SIGTERM)
-        holder.communicate(timeout=60)
-    assert holder.returncode == 128 + signal.SIGTERM
-    assert not out.exists()
-    cli("merge", str(config), str(out))
+    """While a merge writes into OUT (held here; in another process:
+    test_publish_lock), `mergekit-ram merge` into it says so at once, exit 2."""
+    out, config = tmp_path / "out", config_file(family, tmp_path)
 
+    def second(staged: str) -> None:
+        assert "Another merge is writing into" in cli("merge", config, str(out), code=2)
 
-STALLING = """
-import sys, time
-import mergekit_ram.integration.methods as method
-real, calls = method.ram_merge_tensor, [0]
-def slow(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == 6:
-        print("STALLED", flush=True)
-        time.sleep(600)
-    return real(*args, **kwargs)
-method.ram_merge_tensor = slow
-from mergekit.scripts.run_yaml import main
-main([sys.argv[1], sys.argv[2], "--quiet"])
-"""
-
-
-@pytest.mark.parametrize(
-    "sent, code, last",
-    [
-        ("SIGINT", 1, "Aborted!"),  # click's, as stock mergekit-yaml
-        pytest.param("SIGTERM", 143, "is as it was.", marks=pytest.mark.slow),
-    ],
-)
-def test_a_signal_mid_merge_through_mergekit_yaml(
-    family, fresh, tmp_path, sent, code, last
-):
-    """Ctrl-C: our line, then click's `Aborted!`, exit 1; SIGTERM: our line,
-    exit 143. The staging is removed, OUT is as it was."""
-    out = tmp_path / "out"
-    shutil.copytree(fresh, out)
-    before = hashes(out)
-    config = tmp_path / "ram.yml"
-    config.write_text(family.yaml("ram"))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", STALLING, str(config), str(out)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=default_signals,
-    )
-    line = proc.stdout.readline()
-    if line.strip() != "STALLED":
-        proc.kill()
-        raise AssertionError(line + proc.communicate()[1])
-    assert ours_left(out)  # the staging folder and the lock exist while it runs
-    proc.send_signal(getattr(signal, sent))
-    _, err = proc.communicate(timeout=120)
-    name = {"SIGINT": "Ctrl-C"}.get(sent, sent)
-    assert proc.returncode == code, err
-    assert f"mergekit-ram: {name}: {out} is as it was." in err
-    assert err.rstrip().endswith(last) and "Traceback" not in err
-    assert hashes(out) == before and not ours_left(out)
+    staged_merge(str(out), second)
+    cli("merge", config, str(out))
+    assert (out / "config.json").is_file() and not ours_left(out)
 
 
 @pytest.mark.slow
-def test_mergekit_yaml_interrupted_at_every_publish_step(
-    family, fresh, poisoned, tmp_path
-):
-    """Real mergekit-yaml killed (SIGKILL), terminated (SIGTERM), interrupted
-    (SIGINT) or hung up on (SIGHUP) at every file-system step, the signal
-    taking turns, over an older merge with the user's file; then a merge
-    that fails (a NaN) and one that succeeds: OUT is the old merge, the new
-    one or a folder without config.json; the failing run leaves it so; the
-    succeeding one publishes exactly its merge."""
+def test_mergekit_yaml_interrupted_at_every_step(family, fresh, tmp_path, monkeypatch):
+    """faults.sweep of real mergekit-yaml over an older merge with the user's
+    file, interrupted at every publish step and at every tensor it merges;
+    then a merge that fails mid-merge and one that succeeds. What the
+    protocol's sweep cannot check: a real signal while mergekit merges (its
+    threads; SIGTERM exits 143, Ctrl-C through click), the real command's
+    exit at each step, and a real merge's files (shards, index, card,
+    statistics, tokenizer) in each state."""
     older = tmp_path / "older"
     merge(family.config_dict("ram"), older, out_shard_size=SHARDS)
     (older / "notes.txt").write_text("mine")
-    config = tmp_path / "ramplus.yml"
-    config.write_text(family.yaml())
+    config = config_file(family, tmp_path, "ramplus")
+    driver = Driver("mergekit-yaml")
 
-    def run(step: int, how: str, out: Path):
-        args = [str(config), str(out), "--out-shard-size", str(SHARDS), "--quiet"]
-        return run_interrupted(tmp_path, step, how, "mergekit-yaml", args)
+    def run(out: Path, step: int, how: str):
+        args = [config, str(out), "--out-shard-size", str(SHARDS), "--quiet"]
+        code, output, steps = driver.run(step, how, *args)
+        aborted = code == 1 and "\nAborted!\nSTEPS " in output  # click's, exit 1
+        assert how != "SIGINT" or aborted, output[-2000:]
+        return code, output, steps
 
-    out = tmp_path / "count" / "out"
-    shutil.copytree(older, out)
-    code, output, steps = run(0, "SIGKILL", out)
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(older, tmp_path / name / "out"))
+
+    code, output, steps = run(copy("count"), 0, "SIGKILL")
     assert code == 0, output
-    states = {"old": hashes(older, True), "new": hashes(out, True)}
+    states = {"old": tree(older, ANEW), "new": tree(tmp_path / "count/out", ANEW)}
     assert states["new"] == {
-        **hashes(fresh, True),
+        **tree(fresh, ANEW),
         "notes.txt": states["old"]["notes.txt"],
     }
 
-    def state(out: Path) -> str:
-        found = hashes(out, True)
-        name = next((k for k, v in states.items() if v == found), None)
-        if name is None and "config.json" not in found:
-            assert found["notes.txt"] == states["old"]["notes.txt"]
-            ours = {k: (states["old"].get(k), states["new"].get(k)) for k in found}
-            assert all(v in ours[k] for k, v in found.items()), found
-            return "half"
-        return name or f"mixed {found}"
+    def fail(out: Path) -> None:
+        with monkeypatch.context() as patched:
+            raise_on(patched, methods, "ram_merge_tensor", RuntimeError("boom"), 12)
+            with pytest.raises(RuntimeError, match="boom"):
+                merge(family.config_dict(), out, out_shard_size=SHARDS)
 
-    seen = set()
-    for step in range(1, steps + 1):
-        how = SIGNALS[step % len(SIGNALS)]
-        out = tmp_path / f"{step}-{how}" / "out"
-        shutil.copytree(older, out)
-        code, output, _ = run(step, how, out)
-        assert code in EXITS[how], (step, how, output[-2000:])
-        found = state(out)
-        seen.add(found)
-        if how != "SIGKILL":
-            check_exit(how, code, found, output[-2000:])
-        with pytest.raises(RAMInputError, match="NaN"):
-            merge(with_model(family.config_dict(), family, "beta", poisoned), out)
-        assert state(out) == found and not ours_left(out), (step, how)
+    def state(out: Path) -> str:
+        return settled(tree(out, ANEW), states, ("notes.txt",))
+
+    def succeed(out: Path) -> None:
         merge(family.config_dict(), out, out_shard_size=SHARDS)
-        assert state(out) == "new" and not ours_left(out), (step, how)
-        shutil.rmtree(out.parent)
-    assert {"old", "new", "half"} <= seen, seen
+
+    try:
+        assert {"old", "new", "half"} <= sweep(run, steps, copy, state, fail, succeed)
+    finally:
+        driver.close()

@@ -35,9 +35,7 @@ def statistics_section(run: MergeRun) -> str:
     it counted them, else tensor-local λ when it computed any, else none."""
     if run.result is not None:
         return card_section(*run.result, run.tally, shared=shared_mode(run.values))
-    if run.local.tasks:
-        return local_card_section(run.local, run.tally)
-    return ""
+    return local_card_section(run.local, run.tally) if run.local.tasks else ""
 
 
 def card_section(

@@ -47,8 +47,7 @@ def _note(axes: Any, text: str) -> None:
 
 def overlap_histogram(report: Report, figure: Any) -> None:
     """Stacked bars per task: changed elements by how many other tasks share them."""
-    tasks = report["tasks"]
-    n = len(tasks)
+    tasks, n = report["tasks"], len(report["tasks"])
     absolute, relative = figure.subplots(1, 2, sharey=True)
     positions = list(range(n))
     left_abs, left_rel = [0.0] * n, [0.0] * n
@@ -66,16 +65,14 @@ def overlap_histogram(report: Report, figure: Any) -> None:
         absolute.text(total, y, f" {total:.1f} %", va="center", fontsize=9)
     absolute.set_yticks(positions, [t["label"] for t in tasks])
     absolute.invert_yaxis()
-    absolute.set(
-        xlim=(0, max(left_abs + [1.0]) * 1.18), title="Changed parameters by overlap"
-    )
+    top = max(left_abs + [1.0]) * 1.18
+    absolute.set(xlim=(0, top), title="Changed parameters by overlap")
     absolute.set_xlabel("% of all parameters changed")
     relative.set(xlim=(0, 100), xlabel="% of the task's changes")
     relative.set_title("Composition of each task's changes")
     figure.legend(loc="outside lower center", ncols=min(n, 7), fontsize=9)
-    figure.suptitle(
-        f"k-way overlap of the change masks (epsilon = {report['epsilon']:g})"
-    )
+    epsilon = report["epsilon"]
+    figure.suptitle(f"k-way overlap of the change masks (epsilon = {epsilon:g})")
 
 
 def density_per_layer(report: Report, figure: Any) -> None:
@@ -122,8 +119,7 @@ def jaccard(report: Report, figure: Any) -> None:
 
 def regime(report: Report, figure: Any) -> None:
     """Left: retention per task and merge method; right: lift per pair."""
-    tasks = report["tasks"]
-    n = len(tasks)
+    tasks, n = report["tasks"], len(report["tasks"])
     kept, lifts = figure.subplots(1, 2, width_ratios=[3, 2])
     methods = list(report["retention"]["methods"]) if report["retention"] else []
     width = 0.8 / max(len(methods), 1)

@@ -31,11 +31,10 @@ def changed_per_tensor(
     """Per tensor: (elements n_k, each task's changed count C_t,k)."""
     groups = []
     for per_task in stats.per_tensor.values():
-        elements = next(iter(per_task.values())).elements if per_task else 0
-        if elements:  # an empty tensor changes nothing and expects nothing
-            groups.append(
-                (elements, [per_task[i].changed if i in per_task else 0 for i in ids])
-            )
+        # An empty tensor changes nothing and expects nothing.
+        if elements := (next(iter(per_task.values())).elements if per_task else 0):
+            changed = [per_task[i].changed if i in per_task else 0 for i in ids]
+            groups.append((elements, changed))
     return groups
 
 
@@ -78,18 +77,15 @@ def pairwise(
     """report.json `pairwise`: N×N intersections |m_s ∧ m_t| and Jaccard
     overlaps in `ids` order, beside what independent supports would give
     (`expected`, the intersections of `expected`)."""
-    n = len(ids)
-    changed = [stats.tasks[i].changed for i in ids]
-    inter = [
-        [
-            changed[s] if s == t else stats.tasks[a].intersections.get(b, 0)
-            for t, b in enumerate(ids)
-        ]
-        for s, a in enumerate(ids)
-    ]
+    n, found = len(ids), [stats.tasks[i] for i in ids]
+    changed = [counts.changed for counts in found]
 
     def matrix(cell: Any) -> list[list[Any]]:
         return [[cell(s, t) for t in range(n)] for s in range(n)]
+
+    inter = matrix(
+        lambda s, t: changed[s] if s == t else found[s].intersections.get(ids[t], 0)
+    )
 
     return {
         "models": [str(i) for i in ids],
@@ -127,12 +123,8 @@ def retentions(
             )
             numerators["ta_mean"][task] += column / len(ids)
             numerators["ta_sum"][task] += column
+    kept = {task for task in ids if norms[task] > 0 and math.isfinite(norms[task])}
     return {
-        method: {
-            task: values[task] / norms[task]
-            if norms[task] > 0 and math.isfinite(norms[task])
-            else None
-            for task in ids
-        }
+        method: {t: values[t] / norms[t] if t in kept else None for t in ids}
         for method, values in numerators.items()
     }

@@ -96,15 +96,13 @@ UNIQUE_NOTES = {
 
 def unique_share_notes(tasks: Sequence[Mapping[str, Any]]) -> list[str]:
     """A note for the tasks whose unique share is far from its expectation."""
+    sides = [
+        unique_share_departure(t["unique_share"], t["expected_unique_share"])
+        for t in tasks
+    ]
     notes = []
     for where, why in UNIQUE_NOTES.items():
-        names = [
-            t["label"]
-            for t in tasks
-            if unique_share_departure(t["unique_share"], t["expected_unique_share"])
-            == where
-        ]
-        if names:
+        if names := [t["label"] for t, side in zip(tasks, sides) if side == where]:
             notes.append(f"Far {where} expected for {', '.join(names)}: {why}.")
     return notes
 
@@ -117,12 +115,11 @@ def _per_task(report: Report) -> list[str]:
         if local["min"] is not None:
             low, high = f"{local['min']:.4f}", f"{local['max']:.4f}"
             spread = f"{local['unique_weighted_mean']:.4f} [{low}, {high}]"
-        counts = [f"{t[k]:,}" for k in ("changed", "unique", "shared")]
-        rho = _num(t["rho"], none="inf")
+        row = [t["label"], percent(t["changed"], t["elements"])]
+        row += [f"{t[k]:,}" for k in ("changed", "unique", "shared")]
+        row += [percent(t["unique"], t["changed"], 1), _num(t["rho"], none="inf")]
         scale = _num(t["scale"]) + (" (explicit)" if t["scale_explicit"] else "")
-        unique = percent(t["unique"], t["changed"], 1)
-        row = [t["label"], percent(t["changed"], t["elements"]), *counts]
-        rows.append([*row, unique, rho, scale, spread])
+        rows.append([*row, scale, spread])
     notes = [
         "changed % = share of all parameters; unique % = share of the task's "
         "changes no other task makes; rho = shared / unique.",
@@ -142,9 +139,8 @@ def _k_way(report: Report) -> list[str]:
     rows = []
     for t in report["tasks"]:
         hist = (list(t["overlap_histogram"]) + [0] * n)[:n]
-        rows.append(
-            [t["label"]] + [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist]
-        )
+        cells = [f"{v:,} ({percent(v, t['changed'], 1)})" for v in hist]
+        rows.append([t["label"], *cells])
     headers = ["task"] + ["k=0 (unique)" if k == 0 else f"k={k}" for k in range(n)]
     note = (
         "Each task's changed elements by how many other tasks change them too "
@@ -224,8 +220,7 @@ def _grouped(report: Report, field: str) -> list[str]:
         tensors = [str(e["tensors"])] * detail
         rows.append([str(e[field]), *tensors, f"{e['elements']:,}", *cells])
     headers = [field, *["tensors"] * detail, "elements", *_labels(report)]
-    title = f"Per {field}"
-    return section(title, headers, rows, [GROUP_NOTES[field]]) if rows else []
+    return section(f"Per {field}", headers, rows, [GROUP_NOTES[field]]) if rows else []
 
 
 def _sweep(report: Report) -> list[str]:

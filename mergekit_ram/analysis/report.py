@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,8 +55,8 @@ class Analysis:
 
     @classmethod
     def from_merge(cls, config: Any, run: MergeRun) -> Analysis:
-        """From the (settings, statistics, scales) a RAM+ merge computed."""
-        settings, stats, scales = run.result
+        """From the (settings, statistics, scales) a RAM merge counted."""
+        settings, stats, scales = run.counted
         base = None if config.base_model is None else str(config.base_model)
         shared = shared_mode(run.values)
         return cls(
@@ -102,16 +102,16 @@ def retention(
     where set; None without inner products."""
     if not stats.inner_products:
         return None
-    rule = settings.rule
-    if settings.statistics == "tensor":
-        groups = []
-        for name, products in stats.products.items():
-            counts = stats.per_tensor[name].items()
-            local = {t: rule.scale(c.shared, c.unique) for t, c in counts}
-            groups.append((products, local | explicit))
-    else:
-        scales = stats.scales(rule, explicit)
-        groups = [(products, scales) for products in stats.products.values()]
+    rule, local = settings.rule, settings.statistics == "tensor"
+
+    def lam(counts: Mapping[Hashable, TaskCounts]) -> dict[Hashable, float]:
+        """λ from `counts` (as OverlapStatistics.scales), explicit where set."""
+        return {t: rule.scale(c.shared, c.unique) for t, c in counts.items()} | explicit
+
+    groups = [
+        (products, lam(stats.per_tensor[name] if local else stats.tasks))
+        for name, products in stats.products.items()
+    ]
     by_method = retentions(groups, list(stats.tasks))
     return {t: {m: values[t] for m, values in by_method.items()} for t in stats.tasks}
 
@@ -127,13 +127,11 @@ def _grouped(
     by `order`: its size and each task's counts summed over it."""
     groups: dict[Any, dict[str, Any]] = {}
     for name, per_task in stats.per_tensor.items():
-        group = key(name)
-        if group is None:
+        if (group := key(name)) is None:
             continue
         new = {field: group, "tensors": 0, "elements": 0}
-        entry = groups.setdefault(
-            group, new | {"tasks": {i: TaskCounts() for i in ids}}
-        )
+        new["tasks"] = {i: TaskCounts() for i in ids}
+        entry = groups.setdefault(group, new)
         entry["tensors"] += 1
         entry["elements"] += next(iter(per_task.values())).elements if per_task else 0
         for task_id, counts in per_task.items():
@@ -155,16 +153,13 @@ def build_report(
     the paper's r = 0.1 is tabulated so RAM+ can be compared.
     """
     settings, stats, scales = analysis.settings, analysis.stats, analysis.scales
-    rule = settings.rule
-    ids = list(stats.tasks)
-    document = with_survival(
-        statistics_document(settings, stats, scales), analysis.survival
-    )
-    rule_scales = stats.scales(rule)
+    rule, ids = settings.rule, list(stats.tasks)
+    document = statistics_document(settings, stats, scales)
+    document = with_survival(document, analysis.survival)
+    computed = stats.scales(rule)
     labels = labels_for([str(i) for i in ids])
-    explicit = {
-        i: scales[i] for i in ids if i in scales and scales[i] != rule_scales[i]
-    }
+    # Read by lookup only: its order plays no part.
+    explicit = {i: v for i, v in scales.items() if i in computed and v != computed[i]}
     plus = dataclasses.replace(settings, r=settings.r or PAPER_R)
     kept = retention(stats, plus, explicit)
     independent, alone = expected(changed_per_tensor(stats, ids), len(ids))
@@ -190,6 +185,8 @@ def build_report(
         local = {str(i): x["unique_weighted_mean"] for i, x in zip(ids, local)}
         sweeps.append({"r": r, "scale": scale, "scale_tensor_local": local})
     plus = {k: v for k, v in plus.as_dict().items() if k != "epsilon"}
+    weight = 1.0 / len(ids) if ids else None
+    about = {"methods": list(METHODS), "ramplus": plus, "ta_mean_weight": weight}
     report = {
         "schema_version": SCHEMA_VERSION,
         "method": analysis.method,
@@ -199,12 +196,6 @@ def build_report(
         "per_module": _grouped(stats, ids, module_of, "module", MODULES.index),
         "per_layer": _grouped(stats, ids, layer_of, "layer"),
         "sweep": sweeps,
-        "retention": None
-        if kept is None
-        else {
-            "methods": list(METHODS),
-            "ramplus": plus,
-            "ta_mean_weight": 1.0 / len(ids) if ids else None,
-        },
+        "retention": None if kept is None else about,
     }
     return report | {"verdict": judge(report, analysis.shared)}

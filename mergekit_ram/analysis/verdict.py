@@ -127,19 +127,17 @@ def judge(report: Mapping[str, Any], shared: str | None = None) -> dict[str, Any
     pairs = []
     for s, a in enumerate(models):
         for t, b in enumerate(models[s + 1 :], s + 1):
-            smaller = min(size[a], size[b])
-            if smaller:  # a model that changes nothing overlaps no one
+            # A model that changes nothing overlaps no one.
+            if smaller := min(size[a], size[b]):
                 inside, lift = pair["intersection"][s][t] / smaller, pair["lift"][s][t]
                 kind = pair_supports(lift, inside)
-                pairs.append(dict(models=[a, b], supports=kind, inside=inside))
-                pairs[-1]["lift"] = lift
+                pairs += [dict(models=[a, b], supports=kind, inside=inside, lift=lift)]
     supports = next(kind for kind in KINDS if any(p["supports"] == kind for p in pairs))
     kept = None
     if report["retention"] is not None:
         kept = {t["model"]: t["retention"]["ram"] for t in tasks if t["changed"]}
-    diluted, dilution = _dilution(
-        kept, label, every="every other agent" if idle else "every agent"
-    )
+    every = "every other agent" if idle else "every agent"
+    diluted, dilution = _dilution(kept, label, every)
     clauses = [_supports_clause(pairs, label, size)]
     if idle:
         idling = f"{_names(idle)} change{ends} nothing {above}"
@@ -164,10 +162,8 @@ def _evidence(kind: str, pairs: Sequence[Pair], label: Mapping, size: Mapping) -
         inside = []
         for p in pairs:
             small, large = sorted(p["models"], key=size.__getitem__)
-            share = f"{100 * p['inside']:.0f} %"
-            inside.append(
-                f"{share} of {label[small]}'s changes lie inside {label[large]}'s"
-            )
+            share = f"{100 * p['inside']:.0f} % of {label[small]}'s changes"
+            inside.append(f"{share} lie inside {label[large]}'s")
         return ", ".join(inside)
     lifts = [p["lift"] for p in pairs if p["lift"] is not None]
     return f"lift {_span(lifts)}" if lifts else "in different tensors"
@@ -200,8 +196,7 @@ def _dilution(
             "to see which agent RAM would dilute, run mergekit-ram analyze on "
             "this configuration"
         )
-    known = {m: k for m, k in kept.items() if k is not None}
-    if not known:
+    if not (known := {m: k for m, k in kept.items() if k is not None}):
         return (), "no agent changes anything RAM could dilute"
     lowest = min(known.values())
     if lowest >= KEPT_WHOLE:
@@ -213,9 +208,7 @@ def _dilution(
     diluted = [m for m, k in known.items() if k <= limit and k < KEPT_WHOLE]
     diluted.sort(key=known.__getitem__)
     others = [k for m, k in known.items() if m not in diluted]
-    rest = ""
-    if others:
-        rest = f", the {'other' if len(others) == 1 else 'others'} {_span(others)}"
+    rest = f", the other{'s' * (len(others) > 1)} {_span(others)}" if others else ""
     if len(diluted) == 1:
         return tuple(diluted), (
             f"RAM would dilute {label[diluted[0]]} (it keeps {lowest:.2f} of its "

@@ -95,25 +95,20 @@ def merge_with_analysis(
     config_source: str,
     echo: Callable[[str], None] = print,
 ) -> Analysis:
-    """Merge, and return the analysis of its inputs without a second pass.
-
-    A merge that ran the statistics pass hands its counts over; one that
-    needed none (RAM, tensor scope, explicit λ, another method) is analysed
-    with one more read of the models, and `echo` says which happened. Either
-    way the analysis carries the merge's survival tally, if it kept one.
-    """
+    """Merge, and return the analysis of its inputs from the statistics the
+    merge's planner counted (it counts whenever a report is asked). Another
+    method's merge is not ours to plan: its inputs are read once more, and
+    `echo` says so."""
     from mergekit_ram.commands.api import run_merge
 
+    if not is_ours(config.merge_method):  # mergekit's merge, untouched
+        run_merge(config, out_path, options=options, config_source=config_source)
+        echo(
+            f"merge_method {config.merge_method} is not RAM: reading the models once "
+            "more for the report."
+        )
+        return analyze_config(config, options)
     with merge_run() as run:
         run.inner_products = True
         run_merge(config, out_path, options=options, config_source=config_source)
-    result = run.result
-    if result is not None:
-        echo("Report from the statistics this merge computed (no extra pass).")
-        return require_task_vectors(Analysis.from_merge(config, run))
-    echo(
-        "This merge needed no whole-model statistics pass (RAM with r = 0, "
-        "statistics: tensor, explicit unique_scale or another method); "
-        "reading the models once more for the report."
-    )
-    return replace(analyze_config(config, options), survival=run.tally)
+    return require_task_vectors(Analysis.from_merge(config, run))

@@ -10,10 +10,9 @@ a config merge does; each call gets one pool of worker threads.
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 import yaml
@@ -30,7 +29,6 @@ from mergekit_ram.core.parallel import workers
 from mergekit_ram.integration.methods import RAMMerge
 
 StateDictLike = Mapping[str, torch.Tensor] | torch.nn.Module
-T = TypeVar("T")
 
 
 def run_merge(
@@ -47,14 +45,13 @@ def run_merge(
     weight is read, by the run_merge wrapper (integration.publishing).
     """
     install()
-    if config_source is None:
-        config_source = recipe_yaml(merge_config)
+    source = recipe_yaml(merge_config) if config_source is None else config_source
     # Through the module attribute: install() put the staging wrapper there.
     mergekit_merge.run_merge(
         merge_config.model_copy(deep=True),
         os.fsdecode(out_path),
         options=options,
-        config_source=config_source,
+        config_source=source,
     )
 
 
@@ -89,19 +86,10 @@ def _method(method: str | MergeMethod) -> MergeMethod:
     return merge_methods.get(method) if isinstance(method, str) else method
 
 
-def _pooled(function: Callable[..., T]) -> Callable[..., T]:
-    """One pool of worker threads for the whole call (its count and its
-    merge), sized for the CPUs this process may use."""
-
-    @functools.wraps(function)
-    def call(*args: Any, **kwargs: Any) -> T:
-        with workers():
-            return function(*args, **kwargs)
-
-    return call
-
-
-@_pooled
+# `workers()` as a decorator (contextlib's): one pool of worker threads for
+# each whole call (its count and its merge), sized for the CPUs this process
+# may use.
+@workers()
 def merge_tensors(
     tensors: Sequence[torch.Tensor], method: str | MergeMethod, **options: Any
 ) -> torch.Tensor:
@@ -119,7 +107,7 @@ def merge_tensors(
     return merge_methods.merge_tensors(tensors, method, **options)
 
 
-@_pooled
+@workers()
 def merge_state_dicts(
     models: Mapping[Hashable, StateDictLike] | Sequence[StateDictLike],
     method: str | MergeMethod,

@@ -29,20 +29,17 @@ def check_out_dir(root: str) -> None:
     touching anything there: no entry of its own exists yet, and `root` is
     not a model folder (the demo would nest its models inside it)."""
     where = f"mergekit-ram demo --out {root}"
-    model = [
-        n
-        for n in ("config.json", *WEIGHT_FILES)
-        if os.path.lexists(os.path.join(root, n))
-    ]
-    if model:
+
+    def there(names: tuple) -> list[str]:
+        return [n for n in names if os.path.lexists(os.path.join(root, n))]
+
+    if model := there(("config.json", *WEIGHT_FILES)):
         raise RAMInputError(
             f"{where}: {root} is a model folder (it holds {', '.join(model)}); the "
             "demo would write its own models and merge inside it. Choose a new or "
             "empty folder; nothing was written."
         )
-    present = [os.path.join(root, n) for n in (MODELS, CONFIG, MERGED)]
-    present = [path for path in present if os.path.lexists(path)]
-    if present:
+    if present := [os.path.join(root, n) for n in there((MODELS, CONFIG, MERGED))]:
         raise RAMInputError(
             f"{where}: {', '.join(present)} already "
             f"{'exists' if len(present) == 1 else 'exist'}, and the demo writes "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,10 @@ from mergekit_ram.integration.statistics import strict_json
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 REPORT_LIMIT = 64 << 20  # bytes: a report.json of ours is far smaller
+NO_FIGURES = (
+    "Figures skipped: matplotlib is not installed. Install the plots extra to "
+    f"get them: {figures.INSTALL_HINT}"
+)
 
 
 def check_report_folder(out_dir: str) -> None:
@@ -42,31 +47,18 @@ def check_report_folder(out_dir: str) -> None:
 def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], str]:
     """Write report.json, the figures and report.md; returns (paths, message).
 
-    A folder that cannot take them (a full disk, no permission) is one
-    RAMInputError naming it: the report was shown above, nothing else is lost.
+    They are written into a staging folder inside `out_dir`, then renamed into
+    it, report.json first: an interrupted write leaves no file, or files a
+    report of ours is recognised by. A folder that cannot take them (a full
+    disk, no permission) is one RAMInputError naming it: the report was shown
+    above, nothing else is lost.
     """
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, REPORT_JSON), "w", encoding="utf-8") as handle:
-            json.dump(strict_json(report), handle, indent=2, allow_nan=False)
-            handle.write("\n")
-        names = figures.write_figures(report, out_dir)
-        lines = ["", "## Figures", ""] + [
-            f"![{os.path.splitext(n)[0]}]({n})" for n in names
-        ]
-        note = None
-        if not names:
-            note = (
-                "Figures skipped: matplotlib is not installed. Install the plots "
-                f"extra to get them: {figures.INSTALL_HINT}"
-            )
-            lines.append(note)
-        lines += [
-            "",
-            f"Data: `{REPORT_JSON}` (schema_version {report['schema_version']}).",
-        ]
-        with open(os.path.join(out_dir, REPORT_MD), "w", encoding="utf-8") as handle:
-            handle.write(render_markdown(report) + "\n".join(lines) + "\n")
+        with tempfile.TemporaryDirectory(prefix=".report-", dir=out_dir) as staged:
+            written = [REPORT_JSON, REPORT_MD, *_write(report, staged)]
+            for name in written:
+                os.replace(os.path.join(staged, name), os.path.join(out_dir, name))
     except OSError as error:
         raise RAMInputError(
             f"Writing the report into {out_dir} failed ({error.strerror}"
@@ -75,8 +67,23 @@ def write_report(report: Mapping[str, Any], out_dir: str) -> tuple[list[str], st
             "free space or choose another folder for --report / --out, then "
             "run the command again."
         ) from error
-    written = [REPORT_JSON, REPORT_MD, *names]
     message = f"Report written to {out_dir}: " + ", ".join(written)
     return [os.path.join(out_dir, n) for n in written], message + (
-        f"\n{note}" if note else ""
+        "" if written[2:] else f"\n{NO_FIGURES}"
     )
+
+
+def _write(report: Mapping[str, Any], folder: str) -> list[str]:
+    """report.json, the figures and report.md in `folder`; the figures' names."""
+    with open(os.path.join(folder, REPORT_JSON), "w", encoding="utf-8") as handle:
+        json.dump(strict_json(report), handle, indent=2, allow_nan=False)
+        handle.write("\n")
+    names = figures.write_figures(report, folder)
+    lines = ["", "## Figures", ""] + [
+        f"![{os.path.splitext(n)[0]}]({n})" for n in names
+    ]
+    lines += [] if names else [NO_FIGURES]
+    lines += ["", f"Data: `{REPORT_JSON}` (schema_version {report['schema_version']})."]
+    with open(os.path.join(folder, REPORT_MD), "w", encoding="utf-8") as handle:
+        handle.write(render_markdown(report) + "\n".join(lines) + "\n")
+    return names

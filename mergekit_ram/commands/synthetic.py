@@ -67,13 +67,12 @@ def build_models(
     generator = torch.Generator().manual_seed(seed + 1)
     states = {"base": base}
     for spec in agents:
-        agent = {}
+        states[spec.name] = agent = {}
         for index, (name, tensor) in enumerate(sorted(base.items())):
             density = min(1.0, spec.density * (1.5 if index % 2 else 0.5))
             keep = torch.rand(tensor.shape, generator=generator) < density
             delta = torch.randn(tensor.shape, generator=generator) * 0.02
             agent[name] = (tensor.float() + delta * keep).to(dtype)
-        states[spec.name] = agent
     paths = {}
     for name, state in states.items():
         paths[name] = path = os.path.join(root, name)

@@ -37,8 +37,7 @@ def check_layout(
     callers pass a non-float base buffer through before calling this.
     """
     base_tensor = tensors[base]
-    odd_kind = [m for m, t in tensors.items() if not t.is_floating_point()]
-    if odd_kind:
+    if odd_kind := [m for m, t in tensors.items() if not t.is_floating_point()]:
         found = ", ".join(f"model {m} ({tensors[m].dtype})" for m in odd_kind)
         raise RAMInputError(
             f"Tensor {name} is floating point ({base_tensor.dtype}) in the base "
@@ -75,14 +74,14 @@ def check_layout(
 def uncomputable(dtype: torch.dtype) -> str | None:
     """Why a merge cannot compute with tensors of `dtype` (None: it can).
 
-    torch implements no arithmetic for its 8-bit (and smaller) float types,
-    so stock mergekit 0.1.5 fails on them too ("add_stub" not implemented);
-    they are refused up front instead of inside the merge.
+    torch implements no arithmetic for its 8-bit (and smaller) float types;
+    those are quantized formats whose values mean something only with the
+    scales stored beside them, so casting them is no fix either.
     """
     if dtype.is_floating_point and dtype.itemsize == 1:
         return (
-            "torch has no arithmetic for (a quantized format; mergekit 0.1.5 "
-            "cannot merge it either)"
+            "torch has no arithmetic for: a quantized format, whose values mean "
+            "something only with the scales stored beside them"
         )
     return None
 
@@ -143,8 +142,7 @@ def finite_output(
     """
     if _all_finite(written):
         return
-    count = int((~torch.isfinite(written) & torch.isfinite(base)).sum())
-    if count == 0:
+    if (count := int((~torch.isfinite(written) & torch.isfinite(base)).sum())) == 0:
         return
     hint = "" if nonfinite == "refuse" else " (their finite values)"
     raise RAMInputError(

@@ -34,8 +34,7 @@ def tensor_overlaps(
     histograms[t][k]: task t's changed elements that k other tasks change too;
     intersections[s][t] = |m_s ∧ m_t|.
     """
-    rows, pairs, _, _ = overlaps(base, tasks, epsilon, COUNT_CHUNK)
-    return rows, pairs
+    return overlaps(base, tasks, epsilon, COUNT_CHUNK)[:2]
 
 
 # Elements per step of the chunked count: its float32 rows stay in the CPU
@@ -48,10 +47,8 @@ PRODUCT_CHUNK = 1 << 16
 
 def add_histogram(total: list[int], row: Sequence[int]) -> None:
     """Add a k-way histogram into a running total (the one place they are summed)."""
-    if len(total) < len(row):
-        total.extend([0] * (len(row) - len(total)))
-    for k, value in enumerate(row):
-        total[k] += int(value)
+    total.extend([0] * (len(row) - len(total)))  # nothing when it is longer
+    total[: len(row)] = [t + int(value) for t, value in zip(total, row)]
 
 
 @dataclass
@@ -166,31 +163,18 @@ class OverlapStatistics:
     # Also sum inner products per tensor (Products) into `products`.
     inner_products: bool = False
     products: dict[str, Products] = field(default_factory=dict)
-    # Per tensor, the parts counted (None: the whole tensor).
-    parts: dict[str, set[str | None]] = field(default_factory=dict, repr=False)
 
-    def add(
-        self, name: str, base: Tensor, tasks: Group, part: str | None = None
-    ) -> bool:
+    def add(self, name: str, base: Tensor, tasks: Group) -> bool:
         """Count one tensor group (base plus task models' tensors); returns
-        whether every task vector was finite (`core.kernel.overlaps`).
-
-        `part`: the group is one named part of tensor `name` (a stored tensor
-        of a fused one: each element of it is one element of `name`), counted
-        into `name`'s entry; the parts of a tensor add up to its counts."""
-        done = self.parts.setdefault(name, set())
-        if None in done or part in done or (part is None and done):
+        whether every task vector was finite (`core.kernel.overlaps`)."""
+        if name in self.per_tensor:
             raise ValueError(f"tensor {name!r} counted twice")
-        if part is not None and self.inner_products:
-            raise ValueError("inner products are summed over whole tensors only")
-        done.add(part)
-        ids, summing = list(tasks), self.inner_products
+        ids, n, summing = list(tasks), len(tasks), self.inner_products
         each = partial(inner_products, epsilon=self.epsilon) if summing else None
         chunk = PRODUCT_CHUNK if summing else COUNT_CHUNK
         counted = overlaps(base, list(tasks.values()), self.epsilon, chunk, each)
         rows, pairs, finite, sums = counted
         if summing:  # float64 sums in chunk order, as Python's would be
-            n = len(ids)
             found = sum(sums, torch.zeros((2 * n + 1, n), dtype=torch.float64)).tolist()
             self.products[name] = Products(ids, found[:n], found[n : 2 * n], found[-1])
         local = self.per_tensor.setdefault(name, {})
@@ -199,7 +183,7 @@ class OverlapStatistics:
             counts = TaskCounts(list(row), base.numel(), shared_with)
             local.setdefault(task_id, TaskCounts()).add(counts)
             self.tasks.setdefault(task_id, TaskCounts()).add(counts)
-        self.num_tensors += len(done) == 1
+        self.num_tensors += 1
         self.num_elements += base.numel()
         return finite
 
@@ -213,8 +197,7 @@ class OverlapStatistics:
         included) sees the same sequence. `names` must hold every tensor added.
         """
         order = [name for name in names if name in self.per_tensor]
-        missing = self.per_tensor.keys() - set(order)
-        if missing:
+        if missing := self.per_tensor.keys() - set(order):
             raise ValueError(f"tensors missing from the order: {sorted(missing)}")
         self.per_tensor = {name: self.per_tensor[name] for name in order}
         self.products = {n: self.products[n] for n in order if n in self.products}
@@ -230,12 +213,8 @@ class OverlapStatistics:
 
         A task's explicit (non-None) value replaces its computed λ.
         """
-        scales = {
-            task_id: rule.scale(counts.shared, counts.unique)
-            for task_id, counts in self.tasks.items()
-        }
-        scales.update({t: v for t, v in (explicit or {}).items() if v is not None})
-        return scales
+        scales = {t: rule.scale(c.shared, c.unique) for t, c in self.tasks.items()}
+        return scales | {t: v for t, v in (explicit or {}).items() if v is not None}
 
 
 def group_tensors(

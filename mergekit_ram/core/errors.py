@@ -64,9 +64,8 @@ class Problems:
 
     def error(self) -> RAMInputError:
         """The one error listing every problem found (there is at least one)."""
-        if len(self.found) == 1 and not self.warnings:
+        if (count := len(self.found)) == 1 and not self.warnings:
             return RAMInputError(self.found[0])
-        count = len(self.found)
         listed = [f"- {problem}" for problem in self.found]
         listed += [f"- warning: {warning}" for warning in self.warnings[:WARNINGS]]
         if len(self.warnings) > WARNINGS:

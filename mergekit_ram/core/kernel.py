@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from mergekit_ram.core.parallel import workers
-
-T = TypeVar("T")
+from mergekit_ram.core.parallel import T, workers
 
 
 def task_vector(task: Tensor, base32: Tensor, out: Tensor | None = None) -> Tensor:
@@ -67,7 +65,7 @@ def chunked_walk(
     tasks: Sequence[Tensor],
     epsilon: float,
     chunk: int,
-    work: Callable[[Reader, Tensor, Tensor, list[tuple[int, int]]], T],
+    work: Callable[[Reader, Tensor, Tensor, list], T],
     *,
     extra: tuple[int, int] = (0, 0),
     exact: bool = False,
@@ -106,11 +104,11 @@ def chunked_walk(
             # way: on CPU a comparison written to float32 costs a fraction of
             # one written to bool.
             torch.gt(torch.abs(tau, out=mask), epsilon, out=mask)
-            if counted:  # exact: sums of 0 / 1; a few rows add faster one by one
-                if 0 < n <= 4:
-                    _sum(mask, counts[:width])
-                else:
-                    torch.sum(mask, 0, out=counts[:width])
+            # Exact: sums of 0 / 1; a few rows add faster one by one.
+            if counted and 0 < n <= 4:
+                _sum(mask, counts[:width])
+            elif counted:
+                torch.sum(mask, 0, out=counts[:width])
             return chunk_base, tau, mask, counts[:width]
 
         return work(read, taus, masks, steps)
@@ -177,9 +175,7 @@ def ram_merge_tensor(
     tally = on_rescaled is not None and rescales
     out = torch.empty(base.numel(), dtype=written, device=base.device)
 
-    def merge(
-        read: Reader, taus: Tensor, _: Tensor, steps: list[tuple[int, int]]
-    ) -> tuple[Tensor, bool]:
+    def merge(read: Reader, taus: Tensor, _: Tensor, steps: list) -> tuple:
         """In float32: δ = Σ_t τ_t·m_t / max(c, 1) summed in task order (τ/c
         on the changed elements, as stock mergekit sums; a zero of either
         sign where c = 0). RAM+ multiplies δ by Λ = λ_t on task t's unique
@@ -201,8 +197,7 @@ def ram_merge_tensor(
             base32, tau, mask, counts = read(start, stop)
             divisor = torch.clamp(counts, min=1, out=scratch[:width])
             summed = _sum(tau.mul_(mask), delta[:width], divisor)
-            finite = summed.is_meta or math.isfinite(summed.sum())
-            if not finite:
+            if not (finite := summed.is_meta or math.isfinite(summed.sum())):
                 # A τ that is NaN or ±∞ (NaN·0 where its mask is 0 included):
                 # refusing, the caller checks the inputs; ignoring, it is a
                 # non-finite base's, and that task leaves the element
@@ -241,10 +236,9 @@ def ram_merge_tensor(
     if on_nonfinite is not None and any(doubtful for _, doubtful in walked):
         on_nonfinite()
     if tally:
-        totals = sum(found for found, _ in walked).tolist()
-        for index, scale in enumerate(scales):
-            if scale != 1.0:
-                on_rescaled(index, int(totals[0][index]), int(totals[1][index]))
+        rescaled, survived = sum(found for found, _ in walked).tolist()
+        for index in (i for i, scale in enumerate(scales) if scale != 1.0):
+            on_rescaled(index, int(rescaled[index]), int(survived[index]))
     return out.view(base.shape)
 
 
@@ -294,7 +288,7 @@ def overlaps(
     results come back in chunk order, the chunks ending where they would on
     one thread, so float sums over them do not depend on the workers.
     """
-    n, joint = len(tasks), len(tasks) <= JOINT_LIMIT
+    n, joint, inner = len(tasks), len(tasks) <= JOINT_LIMIT, each is not None
     # A chunk as `pack` pieces: number i is Σ_j p_j·2^(jN), p_j = Σ_t m_t·2^t
     # the pattern of piece j's element i, all from one matrix-vector product
     # (exact at any matmul precision: 0 / 1 times powers of two, summed below
@@ -309,17 +303,14 @@ def overlaps(
     weights = [1 << t + n * j for t in range(n) for j in range(pack)]
     weights = torch.tensor(weights, dtype=torch.float32, device=base.device)
 
-    def count(
-        read: Reader, taus: Tensor, masks: Tensor, steps: list
-    ) -> tuple[Tensor, Tensor, Tensor, list]:
+    def count(read: Reader, taus: Tensor, masks: Tensor, steps: list) -> tuple:
         shape = (bins,) if joint else (n, 2 * n)
         found = torch.zeros(shape, dtype=torch.int64, device=base.device)
         rest = torch.zeros(bins and 1 << n, dtype=torch.int64, device=base.device)
         summed = torch.zeros((), dtype=torch.float32, device=base.device)
         results = []
         for start, stop in steps:
-            counted = each is not None or not joint
-            _, tau, changed, counts = read(start, stop, counted)
+            _, tau, changed, counts = read(start, stop, inner or not joint)
             summed += tau.sum()
             width = stop - start
             if joint and changed.is_contiguous() and width % pack == 0:
@@ -334,14 +325,12 @@ def overlaps(
                 for k, row in enumerate(rows[n:], 1):
                     torch.eq(counts, k, out=row)
                 found += torch.mm(changed, rows.T).to(torch.int64)
-            if each is not None:
+            if inner:
                 results.append(each(taus[:, :width], counts))
         return found, rest, summed, results
 
     extra = (n + 1 if each else 0, 0 if joint else n)
-    walked = chunked_walk(
-        base, tasks, epsilon, chunk, count, extra=extra, exact=each is not None
-    )
+    walked = chunked_walk(base, tasks, epsilon, chunk, count, extra=extra, exact=inner)
     found = sum(part for part, *_ in walked)
     if joint:  # each field's histogram of the packed numbers, and the rest
         fields, found = found.view(1, *(1 << n,) * pack), sum(r for _, r, *_ in walked)

@@ -37,12 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mergekit_ram.core.kernel import (
-    change_mask,
-    overlap_counts,
-    ram_merge_tensor,
-    task_vector,
-)
+from mergekit_ram.core import kernel
 
 # (float32 base, mask of the shared elements) -> their values, flat.
 SharedRule = Callable[[Tensor, Tensor], Tensor]
@@ -54,15 +49,15 @@ def ram_then_shared(
     rule: SharedRule,
     *,
     epsilon: float,
-    **kernel: Any,
+    **options: Any,
 ) -> Tensor:
     """RAM's merge with the shared elements (c ≥ 2) replaced by `rule`;
     returns out_dtype (default: base's). Each element is rounded once: RAM's
-    float32 value or the rule's. `kernel` holds ram_merge_tensor's scales,
+    float32 value or the rule's. `options` holds ram_merge_tensor's scales,
     scale_fn, out_dtype and on_rescaled."""
-    merged = ram_merge_tensor(base, tasks, epsilon=epsilon, **kernel)
+    merged = kernel.ram_merge_tensor(base, tasks, epsilon=epsilon, **options)
     base32 = base.to(dtype=torch.float32)
-    shared = overlap_counts(base32, tasks, epsilon) >= 2
+    shared = kernel.overlap_counts(base32, tasks, epsilon) >= 2
     if bool(shared.any()):
         merged[shared] = rule(base32, shared).to(dtype=merged.dtype)
     return merged
@@ -73,9 +68,7 @@ def unique_merge_tensor(
 ) -> Tensor:
     """RAM with the base's value on shared elements (options as
     ram_then_shared's)."""
-    return ram_then_shared(
-        base, tasks, lambda base32, shared: base32[shared], **options
-    )
+    return ram_then_shared(base, tasks, lambda b, shared: b[shared], **options)
 
 
 def _trimmed(values: Tensor, k: int) -> Tensor:
@@ -104,8 +97,8 @@ def ties_merge_tensor(
 
         def kept(task: Tensor) -> Tensor:
             """τ·m of one task on the shared elements, flat, trimmed."""
-            tau = task_vector(task, base32)[shared]
-            return _trimmed(torch.where(change_mask(tau, epsilon), tau, 0.0), k)
+            tau = kernel.task_vector(task, base32)[shared]
+            return _trimmed(torch.where(kernel.change_mask(tau, epsilon), tau, 0.0), k)
 
         positive, negative, total, count = torch.zeros((4, n), device=base32.device)
         for task in tasks:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import TypeVar
 
@@ -70,8 +70,7 @@ _CURRENT: ContextVar[Workers | None] = ContextVar("mergekit_ram_workers", defaul
 def workers() -> Iterator[Workers]:
     """The pool of the merge in progress, or a new one for the block (one
     worker per torch thread, closed after) that chunked walks inside it use."""
-    pool = _CURRENT.get()
-    if pool is not None:
+    if (pool := _CURRENT.get()) is not None:
         yield pool
         return
     with Workers(torch.get_num_threads()) as pool, using(pool):
@@ -79,11 +78,17 @@ def workers() -> Iterator[Workers]:
 
 
 @contextmanager
-def using(pool: Workers | None) -> Iterator[None]:
-    """Bind `pool` for the block (a merge task on a thread of its own)."""
-    token = None if pool is None or _CURRENT.get() is pool else _CURRENT.set(pool)
+def binding(var: ContextVar[T | None], value: T | None) -> Iterator[bool]:
+    """`value` as `var`'s for the block, unless it is None or already bound;
+    yields whether it was bound here."""
+    token = None if value is None or var.get() is value else var.set(value)
     try:
-        yield
+        yield token is not None
     finally:
         if token is not None:
-            _CURRENT.reset(token)
+            var.reset(token)
+
+
+def using(pool: Workers | None) -> AbstractContextManager[bool]:
+    """Bind `pool` for the block (a merge task on a thread of its own)."""
+    return binding(_CURRENT, pool)

@@ -34,13 +34,10 @@ class ScaleRule:
 
         C = 0 gives 1; U = 0 (λ never applied) gives the rule's limit.
         """
-        changed = shared + unique
-        if changed == 0:
-            return 1.0
         if unique == 0:
-            return self.limit()
+            return self.limit() if shared else 1.0
         if self.saturation == "soft":
-            return 1.0 + self.r * (shared / changed)
+            return 1.0 + self.r * (shared / (shared + unique))
         return 1.0 + self.r * min(max(shared / unique, 0.0), self.alpha)
 
     def saturation_text(self) -> str:
@@ -69,12 +66,15 @@ class MergeSettings:
 
     @classmethod
     def from_parameters(
-        cls, per_tensor: Iterable[tuple[str, Mapping[str, Any]]]
+        cls,
+        per_tensor: Iterable[tuple[str, Mapping[str, Any]]],
+        written: Mapping[str, str] | None = None,
     ) -> MergeSettings:
         """Settings from resolved per-tensor values, which must all agree.
 
         Whole-model statistics use one epsilon and one λ rule for every tensor,
-        so a filter or gradient that varies them per tensor is refused.
+        so a value that varies per tensor (per slice, filter or gradient) is
+        refused, naming where the user wrote it (`written`: key → place).
         """
         seen: dict[str, dict[Any, str]] = {key: {} for key in SCALAR_KEYS}
         for tensor, params in per_tensor:
@@ -87,11 +87,14 @@ class MergeSettings:
             for key, values in seen.items():
                 if len(values) > 1:
                     (a, first), (b, second) = list(values.items())[:2]
+                    place = (written or {}).get(key)
                     raise RAMInputError(
                         f"RAM parameter '{key}' is {a!r} for tensor {first} but "
-                        f"{b!r} for {second}. Whole-model (global) statistics need "
-                        "one value for the whole merge: remove the per-tensor "
-                        f"filter or gradient on '{key}', or set statistics: tensor."
+                        f"{b!r} for {second}{f' (set at {place})' if place else ''}"
+                        ". Whole-model (global) statistics need one value for the "
+                        f"whole merge: give '{key}' one value in the top-level "
+                        "parameters (none per slice, no filter or gradient), or "
+                        "set statistics: tensor."
                     )
         return cls(**{key: next(iter(values)) for key, values in seen.items()})
 

@@ -25,12 +25,10 @@ def where_from() -> str:
     except metadata.PackageNotFoundError:
         entries = []
     urls = dict(entry.split(", ", 1) for entry in entries if ", " in entry)
-    url = next(
-        (urls[k] for k in ("Repository", "Source", "Homepage") if k in urls), None
-    )
-    if url is None:
-        return "not on PyPI: installed from a clone of its repository"
-    return f"not on PyPI: install it from its repository, {url}"
+    for key in ("Repository", "Source", "Homepage"):
+        if key in urls:
+            return f"not on PyPI: install it from its repository, {urls[key]}"
+    return "not on PyPI: installed from a clone of its repository"
 
 
 SHARED = ("mean", "ties", "base")  # the `shared` modes
@@ -53,16 +51,12 @@ def variant(values: Mapping[str, set[Any]]) -> str:
             return words[next(iter(values[name]))]
         return f"{name} varies per tensor"
 
-    parts = []
+    parts, name = [], "RAM"
     if any(r > 0 for r in values["r"]):
         name = "RAM+" if all(r > 0 for r in values["r"]) else "RAM / RAM+"
         scopes = {"global": "global statistics", "tensor": "tensor-local statistics"}
-        parts += [
-            one("statistics", scopes),
-            one("saturation", {"clip": "clip rule", "soft": "soft rule"}),
-        ]
-    else:
-        name = "RAM"
+        rules = {"clip": "clip rule", "soft": "soft rule"}
+        parts += [one("statistics", scopes), one("saturation", rules)]
     parts.append(one("shared", {mode: f"`shared: {mode}`" for mode in SHARED}))
     return f"{name} ({', '.join(parts)})"
 
@@ -95,11 +89,9 @@ def described_card(
     heading and the base model's licence in its metadata (mergekit writes
     neither). The card's own text is kept byte for byte when no licence is
     added."""
-    card = card.replace(
-        "### Merge Method\n", f"### Merge Method: {variant(values)}\n", 1
-    )
-    license_ = base_license(config)
-    if license_ is None:
+    heading = f"### Merge Method: {variant(values)}\n"
+    card = card.replace("### Merge Method\n", heading, 1)
+    if (license_ := base_license(config)) is None:
         return card
     model_card = huggingface_hub.ModelCard(card)
     if model_card.data.license is not None:
@@ -116,9 +108,8 @@ class _InConfigOrder(MergeConfiguration):
         for _, models, _ in model_lists(self):
             for reference in [self.base_model, *models]:
                 position.setdefault(reference, len(position))
-        return sorted(
-            super().referenced_models(), key=lambda m: position.get(m, len(position))
-        )
+        found = super().referenced_models()
+        return sorted(found, key=lambda m: position.get(m, len(position)))
 
 
 def in_config_order(config: MergeConfiguration) -> MergeConfiguration:
@@ -142,10 +133,9 @@ def card_hooks(card_section: Any) -> tuple[Any, Any]:
             if (run := current_run()) is None:
                 return original(*args, **kwargs)
             call = bound(original, args, kwargs)
-            config = call.arguments["config"] = in_config_order(
-                call.arguments["config"]
-            )
-            call.arguments["name"] = run.card_name  # OUT's, not our staging folder's
+            given = call.arguments
+            config = given["config"] = in_config_order(given["config"])
+            given["name"] = run.card_name  # OUT's, not our staging folder's
             card = original(*call.args, **call.kwargs)
             return described_card(card, config, run.values) + card_section(run)
 

@@ -2,19 +2,19 @@
 
 The one place that knows checkpoints on disk: which files are weights (one
 file, or an index naming shards, as mergekit's loader looks for them, and
-the names mergekit's writer gives them), which files a model's readers open,
-where each tensor's bytes lie (the statistics pass's read-ahead), folders
-by identity, and every input's checkpoint files checked from their headers.
+the names mergekit's writer gives them), where each tensor's bytes lie (the
+statistics pass's read-ahead), whether writing a folder would change an
+input, and every local input's checkpoint files checked from their headers.
 
 The safetensors library validates each file's header (opening a file reads
 only its header: a corrupt, truncated or padded file, overlapping tensors,
-a bad dtype or shape all fail there); a pickled `.bin` is only ever opened
-with weights-only unpickling. What stays ours is what no single file can
+a bad dtype or shape all fail there); a pickled `.bin` is left to mergekit's
+loader, which unpickles weights only. What stays ours is what no single file can
 know: a missing shard, a tensor the base has and a task model lacks (mergekit
 would silently merge a task's embed_tokens as its missing lm_head), a shape
 or kind that differs, and a dtype torch cannot compute a merge in. Each
 problem is one RAMInputError naming model, file and tensor, where mergekit
-would fail with a traceback deep in the merge, or hang on a named pipe.
+would fail with a traceback deep in the merge.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import stat
 import struct
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from mergekit_ram.core.errors import RAMInputError
@@ -44,10 +43,6 @@ FIX = (
     "save_pretrained); the merge has not started."
 )
 REASON_LIMIT = 300  # characters of a library's error shown in ours
-KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a named pipe (FIFO), which would block the merge forever"),
-)
 
 
 class Tensor(NamedTuple):
@@ -70,47 +65,12 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= REASON_LIMIT else f"{text[:REASON_LIMIT]}…"
 
 
-def regular_file(path: str, role: str, model: str) -> None:
-    """Refuse `path` unless it is a regular file (or a link to one) this
-    process may read, checked with stat, which never blocks (opening a named
-    pipe would)."""
-    name = os.path.basename(path)
-    try:
-        mode = os.stat(path).st_mode
-        kind = None if stat.S_ISREG(mode) else "not a regular file"
-        kind = next((kind for test, kind in KINDS if test(mode)), kind)
-    except FileNotFoundError:
-        link = os.path.islink(path)
-        kind = (
-            f"a symlink to {os.readlink(path)}, which does not exist"
-            if link
-            else "missing"
-        )
-    except OSError as error:  # a symlink loop, a name too long, no permission
-        kind = f"unreadable ({error.strerror or error})"
-    if kind is not None:
-        raise RAMInputError(
-            f"{role} {model}: {name} is {kind}, where a regular file belongs. Put "
-            "the real file there (or fix the link); the merge has not started."
-        )
-    try:
-        with open(path, "rb"):
-            pass  # a regular file: opening it never blocks
-    except OSError as error:
-        raise RAMInputError(
-            f"{role} {model}: {name} cannot be read ({error.strerror}). Give the "
-            "user running the merge read access to it (e.g. chmod a+r); the "
-            "merge has not started."
-        ) from None
-
-
 def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
     """The tensors a safetensors file declares, as the safetensors library
     validated its header (only the header is read)."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import _TYPES  # its names → torch's; absent: none
 
-    regular_file(path, role, model)
     name = os.path.basename(path)
     try:
         with safe_open(path, framework="pt") as handle:
@@ -131,83 +91,54 @@ def safetensors_header(path: str, role: str, model: str) -> dict[str, Tensor]:
     }
 
 
-def pickle_tensors(path: str, role: str, model: str) -> dict[str, Tensor]:
-    """A pickled checkpoint's tensors, unpickled weights-only (no code runs)."""
-    import torch
-
-    regular_file(path, role, model)
-    name = os.path.basename(path)
-    try:
-        state = torch.load(path, map_location="meta", weights_only=True)
-    except Exception as error:  # any unpickling failure is the file's problem
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RAMInputError(
-            f"{role} {model}: {name} cannot be loaded as plain weights "
-            f"(weights-only unpickling refused it: {first[:REASON_LIMIT]}). A "
-            "pickle that needs more than tensors can run code when loaded, so it "
-            "is not read. Convert the model to safetensors from a source you "
-            "trust (save_pretrained(..., safe_serialization=True))."
-        ) from None
-    if not isinstance(state, Mapping):
-        raise RAMInputError(
-            f"{role} {model}: {name} holds a {type(state).__name__}, not a "
-            "mapping of tensor names to tensors. Save the model's state dict."
-        )
-    return {
-        key: Tensor(name, value.dtype, str(value.dtype)[6:], tuple(value.shape))
-        for key, value in state.items()
-        if isinstance(value, torch.Tensor)
-    }
-
-
-def model_tensors(path: str, role: str) -> dict[str, Tensor]:
-    """Every tensor of the model folder `path`, from the files mergekit would
-    read (a dangling symlink counts as present: it is refused, not skipped)."""
+def model_tensors(path: str, role: str) -> dict[str, Tensor] | None:
+    """Every tensor of the model folder `path`, from the safetensors files
+    mergekit would read; None for a pickled checkpoint (mergekit's loader
+    reads it weights-only and reports its own problems)."""
     from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
 
-    for stem, reader in zip(SINGLE_FILES, (safetensors_header, pickle_tensors)):
-        single = os.path.join(path, stem)
-        index = f"{single}.index.json"
-        if not os.path.lexists(index):
-            if os.path.lexists(single):
-                return reader(single, role, path)
-            continue
-        regular_file(index, role, path)
-        name = os.path.basename(index)
-        try:  # mergekit's reading of the index
-            shards = ShardedTensorIndex.from_disk(path).shards
-            files = [(shard, os.path.join(path, shard.filename)) for shard in shards]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            problem = f"is not a valid index ({_reason(error)})"
-            raise _refuse(role, path, name, problem) from None
-        found: dict[str, Tensor] = {}
-        for shard, file in files:
-            if not os.path.lexists(file):
-                problem = f"names the shard {shard.filename}, which is missing"
-                raise _refuse(role, path, name, problem)
-            tensors = reader(file, role, path)
-            found.update(tensors)
-            for tensor in shard.contained_keys:
-                if tensor not in tensors:
-                    problem = f"lacks tensor {tensor}, which {name} places there"
-                    raise _refuse(role, path, shard.filename, problem)
-        return found
-    return {}
+    single = os.path.join(path, SINGLE_FILES[0])
+    index = f"{single}.index.json"
+    if not os.path.lexists(index):
+        found = os.path.lexists(single)
+        return safetensors_header(single, role, path) if found else None
+    name = os.path.basename(index)
+    try:  # mergekit's reading of the index
+        shards = ShardedTensorIndex.from_disk(path).shards
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        problem = f"is not a valid index ({_reason(error)})"
+        raise _refuse(role, path, name, problem) from None
+    found: dict[str, Tensor] = {}
+    for shard in shards:
+        file = os.path.join(path, shard.filename)
+        if not os.path.lexists(file):
+            problem = f"names the shard {shard.filename}, which is missing"
+            raise _refuse(role, path, name, problem)
+        tensors = safetensors_header(file, role, path)
+        found.update(tensors)
+        for tensor in shard.contained_keys:
+            if tensor not in tensors:
+                problem = f"lacks tensor {tensor}, which {name} places there"
+                raise _refuse(role, path, shard.filename, problem)
+    return found
 
 
 def check_models(
-    base: tuple[str, str],
+    base: tuple[str, str] | None,
     tasks: Sequence[tuple[str, str]],
     *,
     compare: bool,
     vocabulary_free: bool,
+    cast: bool = False,
     read: Callable[[], Collection[str] | None] | None = None,
 ) -> None:
     """Read the headers of the base and task models (role, path) and refuse
     what the merge would trip over: a tensor RAM merges in a dtype torch cannot
-    compute in; with `compare`, also a tensor the base has and a task lacks,
-    or one whose kind or shape differs (a vocabulary axis is left to mergekit
-    when `vocabulary_free`: it aligns the rows).
+    compute in (unless mergekit `cast`s every tensor on load: `dtype:`); with
+    `compare`, also a tensor the base has and a task lacks, or one whose kind
+    or shape differs (a vocabulary axis is left to mergekit when
+    `vocabulary_free`: it aligns the rows). A base whose headers are not here
+    (None: a hub id) or not safetensors leaves each task model checked alone.
 
     `read` returns the tensor names mergekit's architecture reads (None:
     unknown); a tensor outside them is never loaded, so its dtype does not
@@ -221,7 +152,7 @@ def check_models(
 
     def computable(name: str, tensor: Tensor, role: str, path: str) -> None:
         problem = uncomputable(tensor.dtype) if tensor.dtype else "has no torch dtype"
-        if problem is None or name not in (names() or (name,)):
+        if cast or problem is None or name not in (names() or (name,)):
             return
         raise RAMInputError(
             f"Tensor {name} of {role} {path} ({tensor.file}) is stored as "
@@ -229,19 +160,26 @@ def check_models(
             "bfloat16, float16 or float32 (dequantize it) before merging."
         )
 
-    base_tensors = model_tensors(base[1], base[0])
-    merged = {n: t for n, t in base_tensors.items() if not from_base(t.dtype)}
-    for name, tensor in merged.items():
-        computable(name, tensor, *base)
+    def alone(role: str, path: str, tensors: dict[str, Tensor] | None) -> None:
+        for name, tensor in (tensors or {}).items():
+            if not from_base(tensor.dtype):
+                computable(name, tensor, role, path)
+
+    base_tensors = model_tensors(base[1], base[0]) if base else None
+    if base:
+        alone(*base, base_tensors)
     for role, path in tasks:
         tensors = model_tensors(path, role)
+        if tensors is None or base_tensors is None:
+            alone(role, path, tensors)
+            continue
         for name, expected in base_tensors.items():
             found = tensors.get(name)
             if found is None:
                 if compare:
                     raise _missing(name, expected, base, role, path)
                 continue
-            if name not in merged:
+            if from_base(expected.dtype):
                 continue  # copied from the base
             computable(name, found, role, path)
             if not compare or (
@@ -275,27 +213,7 @@ def _missing(
     )
 
 
-# --- folders by identity, and the files a model reads ---------------------------
-
-
-def inside(path: str, folder: str) -> bool:
-    """Whether resolved `path` is `folder` or lies below it."""
-    return os.path.commonpath([path, folder]) == folder
-
-
-def read_files(folder: str) -> list[str]:
-    """The names of the files a model folder's readers open: its entries and
-    every shard its weight indexes name (which may point anywhere)."""
-    names = sorted(os.listdir(folder))
-    for index in INDEX_FILES:
-        try:
-            with open(os.path.join(folder, index), encoding="utf-8") as handle:
-                weight_map = json.load(handle).get("weight_map", {})
-        except (OSError, ValueError, AttributeError):
-            continue  # missing or unreadable: the header checks report it
-        if isinstance(weight_map, dict):
-            names += sorted({v for v in weight_map.values() if isinstance(v, str)})
-    return names
+# --- the output folder against the inputs ------------------------------------
 
 
 def output_conflict(
@@ -303,26 +221,25 @@ def output_conflict(
 ) -> str | None:
     """Why writing `out` would change an input (None when it would not).
 
-    `out` must not be an input folder, lie inside one or hold one, and no
-    file an input reads (its entries, the shards its index names) may resolve
-    into `out`.
+    `out` must not be an input folder or lie inside one, and no entry of an
+    input folder may resolve to a file directly in `out` (publishing writes
+    and removes only `out`'s top-level files; an input lying deeper inside
+    `out` is never touched).
     """
     target = os.path.realpath(out)
     for input_role, path in inputs:
         if not os.path.isdir(path):
             continue
         folder = os.path.realpath(path)
-        if inside(target, folder):
+        if os.path.commonpath([target, folder]) == folder:  # OUT is or is in it
             where = "is" if target == folder else "lies inside"
             return f"The {role} {out} {where} the input {input_role} {path}"
-        if inside(folder, target):
-            return f"The input {input_role} {path} lies inside the {role} {out}"
-        for name in read_files(path):
+        for name in sorted(os.listdir(path)):
             linked = os.path.realpath(os.path.join(path, name))
-            if inside(linked, target):
+            if os.path.dirname(linked) == target:
                 return (
                     f"The input {input_role} {path} reads {name}, which resolves "
-                    f"to {linked} inside the {role} {out}"
+                    f"to {linked} in the {role} {out}"
                 )
     return None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from mergekit_ram.core.counting import LocalScales, OverlapStatistics
-from mergekit_ram.core.parallel import Workers, using, workers
+from mergekit_ram.core.parallel import Workers, binding, using, workers
 from mergekit_ram.core.rule import MergeSettings, SurvivalTally
 
 
@@ -36,10 +36,12 @@ class Counted(NamedTuple):
 
 @dataclass(eq=False)
 class MergeRun:
-    """One merge in progress; `result` is None until (and unless) RAM+ counted,
-    `tally` None unless some task model's unique elements are rescaled;
-    `inner_products`: the caller (`merge --report`) wants the statistics pass
-    to sum the task vectors' inner products too, for the report's retention;
+    """One merge in progress; `result` is None until (and unless) RAM+ counted
+    to rescale, `tally` None unless some task model's unique elements are
+    rescaled; `inner_products`: the caller (`merge --report`) wants the
+    statistics, with the task vectors' inner products for the report's
+    retention, counted even where the merge needs no pass; `counted`: what
+    the pass counted (the merge's `result`, or the report's);
     `workers`: the threads its chunked walks share (None outside `merge_run`);
     `local`: what tensor-local RAM+ computed, for the card; `findings`: the
     configuration's warnings, for the plan-time checks to report with theirs
@@ -53,6 +55,7 @@ class MergeRun:
     """
 
     result: Counted | None = None
+    counted: Counted | None = None
     tally: SurvivalTally | None = None
     inner_products: bool = False
     workers: Workers | None = None
@@ -74,26 +77,16 @@ def current_run() -> MergeRun | None:
 @contextmanager
 def merge_run() -> Iterator[MergeRun]:
     """The merge in progress, opened here unless the caller already opened one."""
-    run = _CURRENT.get()
-    if run is not None:
+    if (run := _CURRENT.get()) is not None:
         yield run
         return
-    with workers() as pool:
-        run = MergeRun(workers=pool)
-        with running(run):
-            yield run
+    with workers() as pool, running(run := MergeRun(workers=pool)):
+        yield run
 
 
 @contextmanager
 def running(run: MergeRun | None) -> Iterator[None]:
     """`run` as the merge in progress for the block (on this thread, too),
     with its worker threads."""
-    if run is None or _CURRENT.get() is run:
+    with binding(_CURRENT, run) as bound, using(run.workers if bound else None):
         yield
-        return
-    token = _CURRENT.set(run)
-    try:
-        with using(run.workers):
-            yield
-    finally:
-        _CURRENT.reset(token)

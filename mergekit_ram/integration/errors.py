@@ -45,7 +45,7 @@ def click_errors() -> Iterator[None]:
     """A RAMInputError raised inside, as the ClickInputError click prints."""
     try:
         yield
-    except ClickInputError:
-        raise
+    except click.ClickException:
+        raise  # printed as it is (an OSError stays one)
     except RAMInputError as error:
         raise ClickInputError(str(error)) from error

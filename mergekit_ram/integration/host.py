@@ -49,7 +49,7 @@ class Reliance(NamedTuple):
 
 PLAN, METHODS = "mergekit.plan:MergePlanner", "mergekit.merge_methods"
 TASK = f"{METHODS}.task_adapter:ExecuteMergeMethodTask"
-CARD, GRAPH, MOE = "mergekit.card", "mergekit.graph", "transformers.core_model_loading"
+CARD, GRAPH = "mergekit.card", "mergekit.graph"
 # Each: what we use it for; the upstream hook whose arrival would let it go.
 CONTRACT = (
     # Routed: `ram` / `ramplus` to ours, refused while we are not installed.
@@ -91,18 +91,11 @@ CONTRACT = (
         "input_parameters out_dtype",
     ),
     # Called and reordered: the statistics pass walks the planner's gather
-    # tasks in mergekit's executor, backwards, reading ahead; MoE groups are
-    # read as the stored tensors a conversion stacks. Hook: a statistics pass
-    # over planned inputs.
+    # tasks in mergekit's executor, backwards, reading ahead. Hook: a
+    # statistics pass over planned inputs.
     Reliance("mergekit.io.tasks:LoadTensor._resolve_name"),
     Reliance(f"{GRAPH}:Executor.schedule", reached=f"{GRAPH}:Executor._run"),
     Reliance(f"{GRAPH}:ExecutionSchedule", "tasks last_use_index"),
-    Reliance("mergekit.architecture.conversion:_iter_transform_matches"),
-    Reliance("mergekit.architecture.conversion:_expanded_target_keys"),
-    Reliance("transformers.conversion_mapping:get_checkpoint_conversion_mapping"),
-    Reliance(f"{MOE}:WeightRenaming"),
-    Reliance(f"{MOE}:MergeModulelist"),
-    Reliance(f"{MOE}:Concatenate"),
 )
 
 
@@ -126,11 +119,10 @@ def _problem(reliance: Reliance) -> str | None:
         return f"{name} is missing ({error})"
     if target is None and (reliance.reads or not callers):
         return f"{name} is missing"
-    for caller in callers:
-        # The names its own code uses (not those of a nested function or,
-        # before Python 3.12, comprehension: then it is refused, closed).
-        if last not in caller.__code__.co_names:
-            return f"{name} is no longer used by {caller.__qualname__}"
+    # The names its own code uses (not those of a nested function or, before
+    # Python 3.12, comprehension: then it is refused, closed).
+    if lost := next((c for c in callers if last not in c.__code__.co_names), None):
+        return f"{name} is no longer used by {lost.__qualname__}"
     found = inspect.signature(target).parameters if reliance.reads else {}
     if missing := [p for p in reliance.reads.split() if p not in found]:
         return f"{name} has no parameter {', '.join(missing)}"

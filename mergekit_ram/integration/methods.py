@@ -19,6 +19,7 @@ import dataclasses
 import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, Literal, get_type_hints
 
 import torch
@@ -90,10 +91,9 @@ class RAMMerge(GroupMergeMethod):
         parameters = [{**p, "out_dtype": kwargs.get("out_dtype")} for p in parameters]
         # Global RAM+ with some task model's λ still unknown.
         if any(
-            p["statistics"] == "global"
-            and p["r"] > 0
-            and None in p["unique_scale"].values()
+            None in p["unique_scale"].values()
             for p in parameters
+            if p["statistics"] == "global" and p["r"] > 0
         ):
             parameters = _whole_call_scales(groups, parameters, kwargs["input_dtypes"])
         return super()._execute(groups, parameters, *args, **kwargs)
@@ -153,9 +153,7 @@ class RAMMerge(GroupMergeMethod):
                 dtype = str(written).removeprefix("torch.")
                 run.tally.add(ids[index], rescaled, survived, dtype)
 
-        def check() -> dict:
-            return finite_inputs(name, group.base.id, base, inputs, nonfinite)
-
+        check = partial(finite_inputs, name, group.base.id, base, inputs, nonfinite)
         kernel, extra = {
             "mean": (ram_merge_tensor, {}),
             "ties": (ties_merge_tensor, {"density": density}),
@@ -203,41 +201,31 @@ def _whole_call_scales(
             if not from_base(base.dtype):
                 inputs = {entry.id: entry.tensor for entry in group.non_base}
                 rule = params["nonfinite"]
-                stats.add(
-                    name, base, finite_inputs(name, group.base.id, base, inputs, rule)
-                )
+                inputs = finite_inputs(name, group.base.id, base, inputs, rule)
+                stats.add(name, base, inputs)
     scales = stats.scales(settings.rule, explicit)
-    return [
-        {
-            **params,
-            "unique_scale": PerInputValues(
-                [
-                    (m, scales.get(m, 1.0) if v is None else v)
-                    for m, v in params["unique_scale"].items()
-                ]
-            ),
-        }
-        for params in parameters
-    ]
+
+    def known(values: PerInputValues) -> PerInputValues:
+        return PerInputValues(
+            [(m, scales.get(m, 1.0) if v is None else v) for m, v in values.items()]
+        )
+
+    return [{**p, "unique_scale": known(p["unique_scale"])} for p in parameters]
 
 
 def _spec(name: str, pretty_name: str, r: float) -> MergeMethodSpec:
     """The method's parameters as merge_group declares them (mergekit's
     signature-derived spec: scope, type, default), with RAM+'s default r."""
     hints = get_type_hints(RAMMerge.merge_group, include_extras=True)
-    arguments = inspect.signature(RAMMerge.merge_group).parameters.values()
-    parameters = [
-        _parameter_spec(argument, hints[argument.name], batched=False)
-        for argument in arguments
-        if argument.kind is inspect.Parameter.KEYWORD_ONLY
-        and argument.name != "out_dtype"
-    ]
+    specs = {
+        a.name: _parameter_spec(a, hints[a.name], batched=False)
+        for a in inspect.signature(RAMMerge.merge_group).parameters.values()
+        if a.kind is inspect.Parameter.KEYWORD_ONLY and a.name != "out_dtype"
+    }
+    specs["r"] = dataclasses.replace(specs["r"], default=r)
     return MergeMethodSpec(
         name=name,
-        parameters=tuple(
-            dataclasses.replace(p, default=r) if p.name == "r" else p
-            for p in parameters
-        ),
+        parameters=tuple(specs.values()),
         contract=InputContract(base=BasePolicy.REQUIRED),
         pretty_name=pretty_name,
         reference_url=REFERENCE_URL,
@@ -272,8 +260,7 @@ class RAMMergeTask(ExecuteMergeMethodTask):
     _run: MergeRun | None = PrivateAttr(default=None)
 
     def execute(self, tensors: dict, **kwargs: Any) -> Any:
-        base = tensors.get(self.base_model)
-        if base is not None:
+        if (base := tensors.get(self.base_model)) is not None:
             if from_base(base.dtype):
                 return base
             weight = self.output_weight

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -40,6 +41,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
+import click
 from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 
@@ -47,8 +49,7 @@ from mergekit_ram.core.errors import RAMInputError
 from mergekit_ram.integration.checkpoints import WEIGHT_FILES
 
 STATE, MANIFEST, LOCK, CONFIG = ".mergekit-ram", "manifest.json", "lock", "config.json"
-STAGED, MERGE = "staged", "merge"  # short: every file's path grows by these
-LONGEST = len("model-00001-of-00002.safetensors")  # the longest name mergekit writes
+STAGED, MERGE = "staged", "merge"
 FORMAT = {"format": "mergekit-ram manifest", "version": 2}
 LIMIT = 16 << 20  # bytes: a manifest of ours is far smaller
 # A copy (`cp -a`) onto a coarser file system truncates the mtime (ns) to its
@@ -70,6 +71,25 @@ class OutputError(RAMInputError):
     """An output folder a merge must not write into, or one that is busy."""
 
 
+class Stopped(click.ClickException, OutputError, OSError):
+    """The user's environment stopped a merge (a full disk, no permission, the
+    hub): an OSError still, as the error that stopped it (Python callers that
+    retry on OSError keep catching it); click prints it as `Error: ...`."""
+
+    exit_code = 2
+
+
+# What the user can do about an OSError, by its errno; any other (the hub, the
+# network, a missing file) is told as the library told it.
+ADVICE = {
+    errno.ENOSPC: "Free space on that disk",
+    errno.EDQUOT: "Free space within your disk quota",
+    errno.EACCES: "Give the user running the merge access to it",
+    errno.EPERM: "Give the user running the merge access to it",
+    errno.EROFS: "It is a read-only mount: choose an output folder on a writable one",
+}
+
+
 class Interrupted(SystemExit):
     """SIGTERM or SIGHUP: unwinds like Ctrl-C, exits with 128 + its number."""
 
@@ -83,8 +103,9 @@ def resolve_output(out: str, role: str = "output folder") -> str:
     stays a link: the merge lands in its target).
 
     Refuses, before anything is read or written, an empty path (an unset
-    shell variable would otherwise merge into the current folder), a
-    dangling symlink, a path under a file, a symlink loop and a file.
+    shell variable would otherwise merge into the current folder), a path
+    that cannot be resolved (a dangling link, a loop), a path under a file
+    and a file.
     `role` names the folder in the message (a report folder is checked so).
     """
     if not out:
@@ -99,11 +120,8 @@ def resolve_output(out: str, role: str = "output folder") -> str:
     why, fix = None, "Fix the path or choose another folder."
     try:
         real = os.path.realpath(ancestor, strict=True)
-    except OSError as error:
-        why = {
-            errno.ELOOP: "lies under a symlink loop",
-            errno.ENOENT: f"is (or lies under) {ancestor}, a symlink to nothing",
-        }.get(error.errno, f"cannot be resolved ({error.strerror})")
+    except OSError as error:  # a dangling link, a loop, no permission
+        why = f"cannot be resolved ({error.strerror}: {ancestor})"
     else:
         if not os.path.isdir(real) and rest:
             why = f"lies under {ancestor}, which is a file"
@@ -273,20 +291,17 @@ def _clear(path: str) -> None:
 @contextmanager
 def _locked(target: str, out: str) -> Iterator[None]:
     """Hold OUT/.mergekit-ram/lock (the OS drops it when the holder dies);
-    busy fails at once. Our folder or lock as a link is refused (an older
-    filelock would follow it). On the way out the lock file goes while still
-    held, our folder too if nothing is left."""
+    busy fails at once. Our folder as a link is refused: the staging inside
+    it is removed, never through a link. On the way out the lock file goes
+    while still held, our folder too if nothing is left."""
     state, lock = os.path.join(target, STATE), os.path.join(target, STATE, LOCK)
     with suppress(FileExistsError):
         os.mkdir(state)
-    for path, kind in ((state, stat.S_ISDIR), (lock, stat.S_ISREG)):
-        with suppress(FileNotFoundError):
-            if not kind(os.lstat(path).st_mode):
-                raise OutputError(
-                    f"The output folder {out} holds {path}, which mergekit-ram did "
-                    "not make (a link, a pipe, or not a folder). Remove it, then "
-                    "run the merge again."
-                )
+    if not stat.S_ISDIR(os.lstat(state).st_mode):
+        raise OutputError(
+            f"The output folder {out} holds {state}, which mergekit-ram did not "
+            "make (a link or not a folder). Remove it, then run the merge again."
+        )
     try:
         held = FileLock(lock, blocking=False).acquire()
     except Timeout as error:
@@ -335,16 +350,22 @@ def _signals() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-def _reason(error: BaseException) -> str | None:
-    """The OS's reason (with the path it names) where the user's environment
-    stopped the run: an OSError, or safetensors' "I/O error" (a full disk)."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror + (f" ({error.filename})" if error.filename else "")
-    if isinstance(error, OSError) or (
-        isinstance(error, SafetensorError) and "I/O error" in str(error)
-    ):
-        return str(error).split("I/O error: ", 1)[-1]
-    return None
+def _stopped(error: OSError, out: str, where: str) -> Stopped:
+    """The OSError that stopped a merge, with what to do about it."""
+    if error.strerror:
+        reason = error.strerror + (f" ({error.filename})" if error.filename else "")
+    else:
+        reason = " ".join(str(error).split()) or type(error).__name__
+    advice = ADVICE.get(error.errno) or (
+        "Fix what it says (a model's name or revision, access to a gated model, "
+        "the network, offline mode)"
+    )
+    stopped = Stopped(
+        f"The merge into {out} stopped: {reason}; {out} {where}. {advice}, then "
+        "run the merge again."
+    )
+    stopped.errno, stopped.filename = error.errno, error.filename
+    return stopped
 
 
 def staged_merge(
@@ -358,20 +379,12 @@ def staged_merge(
     the way of every layout refused, write, publish. Whatever fails, the
     staging goes, folders this run made go while empty, and one line or
     error says where OUT stands: a RAMInputError as it is, the environment
-    (an OSError) as an OutputError naming the OS's reason; anything else
-    (Ctrl-C, SIGTERM, SIGHUP, a bug) after one line, as it is.
+    (an OSError: the disk, permissions, the hub) as a Stopped naming its
+    reason and fix; anything else (Ctrl-C, SIGTERM, SIGHUP, a bug) after one
+    line, as it is.
     """
     target = resolve_output(out_path)
     staging = os.path.join(target, STATE, STAGED)
-    limit = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 0
-    longest = len(os.path.join(staging, MERGE, "m" * LONGEST))  # + NUL < limit
-    if limit and longest >= limit:
-        raise OutputError(
-            f"The output folder path {out_path} is too long: the merge is staged "
-            f"in {os.path.join(STATE, STAGED, MERGE)} inside it, where a file's "
-            f"path ({longest} characters) must stay below the system's limit of "
-            f"{limit}. Choose a path {longest - limit + 1} characters shorter."
-        )
     made, progress, parent = [], {}, target
     while not os.path.lexists(parent):  # removed again if the run fails
         made.append(parent)
@@ -400,13 +413,11 @@ def staged_merge(
                     os.rmdir(folder)
             if isinstance(error, RAMInputError):
                 raise  # the user's input: it says so already
-            reason = _reason(error)
-            if reason is not None:  # the user's environment
-                raise OutputError(
-                    f"The merge into {out_path} stopped: {reason}; {out_path} "
-                    f"{where}. Fix that (free space, permissions, a read-only "
-                    "mount), then run the merge again."
-                ) from error
+            written = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(error))
+            if isinstance(error, SafetensorError) and written:  # its writer's OSError
+                error = OSError(int(written[2]), written[1])
+            if isinstance(error, OSError):  # the user's environment
+                raise _stopped(error, out_path, where) from error
             if isinstance(error, KeyboardInterrupt):
                 said = "Ctrl-C"
             elif isinstance(error, Interrupted):

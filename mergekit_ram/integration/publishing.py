@@ -3,8 +3,8 @@
 For `ram` / `ramplus` configurations `run_merge` is wrapped so that it
 takes OUT's lock (removing a killed run's staging), checks the configuration
 and every input's checkpoint headers (`validation`), refuses an output
-folder that would change an input (OUT equal to, inside or holding an input,
-or holding a file an input reads), then lets mergekit write the whole merge
+folder that would change an input (OUT equal to or inside an input, or
+holding a file an input reads), then lets mergekit write the whole merge
 into our staging folder inside OUT, which `output_folder` publishes into
 out_path only once the merge succeeded. One `context.MergeRun` is open for
 the merge, so the planner's statistics reach the model card and nothing
@@ -51,8 +51,8 @@ def _inputs(config: Any) -> Iterator[tuple[str, str]]:
 
 
 def refuse_input_folder(config: Any, folder: str, role: str = "output folder") -> None:
-    """A folder we write (OUT, a report folder) may not be, contain or lie
-    inside an input, nor hold a file an input reads."""
+    """A folder we write (OUT, a report folder) may not be or lie inside an
+    input, nor hold a file an input reads."""
     problem = output_conflict(folder, _inputs(config), role)
     if problem:
         raise RAMInputError(

@@ -13,13 +13,9 @@ model is finalized, in the staging folder `publishing` publishes. The model
 card's section on these statistics is `analysis.card`'s. `mergekit-ram
 analyze` counts through `count_planned` too.
 
-A planned tensor that mergekit builds by stacking stored tensors (the
-experts of a MoE checkpoint saved one per tensor, fused as read) is counted
-from those stored tensors instead (`Stacked`): its counts are sums over its
-elements, each of which is one stored element, so they are the fused
-tensor's, without mergekit's conversion, which walks every checkpoint key
-for every fused tensor. analyze's inner products keep mergekit's path (their
-float sums would run in another order).
+Every group is read through mergekit's own loading, as the merge reads it
+(a MoE checkpoint's stored experts included, which mergekit's conversion
+fuses as read: the pass pays that conversion as the merge does).
 
 The mergekit and transformers names used here that mergekit does not
 publish are in `host.CONTRACT`, probed before anything is installed.
@@ -32,36 +28,22 @@ import logging
 import math
 import os
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from typing import Any
 
 import immutables
 import pydantic_core
 import torch
-import tqdm
-from mergekit.architecture.conversion import (
-    _expanded_target_keys,
-    _iter_transform_matches,
-)
-from mergekit.common import dtype_from_name
 from mergekit.graph import ExecutionSchedule, Executor, Task, TaskHandle
-from mergekit.io.tasks import FinalizeModel, GatherTensors, LoaderCache, LoadTensor
+from mergekit.io.tasks import FinalizeModel, LoaderCache, LoadTensor
 from mergekit.plan import MergePlanner
 from pydantic import PrivateAttr
-from safetensors import safe_open
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-from transformers.core_model_loading import (
-    Concatenate,
-    MergeModulelist,
-    WeightRenaming,
-)
 
 from mergekit_ram.core.checks import finite_inputs
 from mergekit_ram.core.counting import OverlapStatistics, group_tensors
 from mergekit_ram.core.rule import MergeSettings, SurvivalTally
-from mergekit_ram.integration.checkpoints import safetensors_header, safetensors_spans
+from mergekit_ram.integration.checkpoints import safetensors_spans
 from mergekit_ram.integration.context import Counted, MergeRun, current_run, merge_run
 from mergekit_ram.integration.host import bound
 from mergekit_ram.integration.methods import as_ram_task, is_ours
@@ -131,22 +113,16 @@ Span = tuple[str, int, int]
 
 
 def _count_task(
-    stats: OverlapStatistics,
-    task: Any,
-    tensors: Mapping,
-    device: torch.device,
-    part: str | None = None,
+    stats: OverlapStatistics, task: Any, tensors: Mapping, device: torch.device
 ) -> None:
-    """Check one planned merge task's gathered inputs (or the stored tensor
-    `part` of them, which the checks name), then count them."""
+    """Check one planned merge task's gathered inputs, then count them."""
     name = task.output_weight.name
-    label = part or name
     group = group_tensors(
         tensors,
         task.base_model,
         task.model_order,
         device,
-        name=label,
+        name=name,
         vocabulary_axis=task.output_weight.vocabulary_axis,
     )
     if group is None:
@@ -154,119 +130,12 @@ def _count_task(
     base, inputs = group
     nonfinite = task.parameters.get("nonfinite", "refuse")
     if nonfinite != "refuse" or not inputs:
-        kept = finite_inputs(label, task.base_model, base, inputs, nonfinite)
-        stats.add(name, base, kept, part)
+        kept = finite_inputs(name, task.base_model, base, inputs, nonfinite)
+        stats.add(name, base, kept)
     # Refusing, the count's own sums of τ tell finite inputs apart; only a
     # group they doubt is checked element by element (and refused there).
-    elif not stats.add(name, base, inputs, part):
-        finite_inputs(label, task.base_model, base, inputs, nonfinite)
-
-
-# Conversions that only stack (and concatenate) their sources: every stored
-# element lands in exactly one place of the one tensor they build.
-STACKING = ([MergeModulelist], [MergeModulelist, Concatenate])
-
-
-def stacked_sources(model_type: str | None, keys: Iterable[str]) -> dict:
-    """Per tensor that mergekit's `convert_checkpoint_tensors` builds from a
-    checkpoint holding `keys` by renaming, stacking or concatenating stored
-    tensors (transformers' mapping for `model_type`), those stored tensors'
-    names; a tensor any other conversion builds is left out. One walk over the
-    keys per transform, with the same matching, for every target at once."""
-    transforms = get_checkpoint_conversion_mapping(model_type) if model_type else []
-    available = {key: key for key in keys}  # a name -> the stored tensor's
-    found: dict[str, list[str] | None] = {}
-    for transform in transforms or []:
-        renaming = isinstance(transform, WeightRenaming)
-        matched: dict[str, list[str]] = {}
-        for match in _iter_transform_matches(transform, dict(available)):
-            if renaming:
-                available[match.renamed_key] = match.source_value
-                continue
-            for target in _expanded_target_keys(
-                match.renamed_key, transform.target_patterns
-            ):
-                matched.setdefault(target, []).append(match.source_value)
-        operations = [type(op) for op in getattr(transform, "operations", [])]
-        stacking = len(transform.target_patterns) == 1 and (
-            operations == STACKING[1]
-            or (operations == STACKING[0] and len(transform.source_patterns) == 1)
-        )
-        # The first converter taking a target builds it (or mergekit's path).
-        for target, sources in matched.items():
-            whole = stacking and len(set(sources)) == len(sources)
-            found.setdefault(target, sources if whole else None)
-    for name, key in available.items():
-        found.setdefault(name, [key])
-    return {name: sources for name, sources in found.items() if sources}
-
-
-class Stacked:
-    """Planned groups that mergekit builds by stacking stored tensors, read as
-    those stored tensors, one group of them (the same name in every model) at
-    a time.
-
-    Counting them so is exact only where every model's tensor is the same
-    rearrangement of the same stored tensors: each model holds them under the
-    same names, all with one shape, in safetensors files. Anything else (and
-    every group mergekit reads by name) goes through mergekit's load.
-    """
-
-    def __init__(self) -> None:
-        self.sources: dict[Any, dict] = {}  # per model: stacked_sources
-        self.headers: dict[str, dict] = {}  # per file: what it declares
-
-    def parts(self, gather: Task) -> tuple[list[str], dict] | None:
-        """(stored names, {model: (their files, dtype to read as)}) of a
-        planned group made by stacking, else None."""
-        if type(gather) is not GatherTensors:
-            return None
-        keys, shape, reads = None, None, {}
-        for load in gather.arguments().values():
-            loader = LoaderCache().get(load.model)
-            if load._resolve_name(loader) is not None:
-                return None
-            if load.model not in self.sources:
-                remote = LoaderCache().trust_remote_code
-                model_type = load.model.config(trust_remote_code=remote).model_type
-                paths = loader.index.tensor_paths
-                self.sources[load.model] = stacked_sources(model_type, paths)
-            found = self.sources[load.model].get(load.tensor)
-            if found is None or keys not in (None, found):
-                return None
-            keys, index = found, loader.index
-            files = [os.path.join(index.base_path, index.tensor_paths[k]) for k in keys]
-            if not all(file.endswith(".safetensors") for file in files):
-                return None
-            for file in files:
-                if file not in self.headers:
-                    model = str(load.model)
-                    self.headers[file] = safetensors_header(file, "model", model)
-            layouts = {
-                (self.headers[f][k].shape, self.headers[f][k].dtype_name)
-                for f, k in zip(files, keys)
-            }
-            if len(layouts) > 1 or shape not in (None, next(iter(layouts))[0]):
-                return None
-            shape = next(iter(layouts))[0]
-            reads[load.model] = (files, load.dtype and dtype_from_name(load.dtype))
-        return (keys, reads) if keys else None
-
-    @staticmethod
-    def read(keys: list[str], reads: dict) -> Iterable[tuple[str, dict]]:
-        """Each stored name with every model's tensor of that name, read as
-        mergekit's load casts; the group's files are open until the last."""
-        with ExitStack() as files:
-            handles: dict[str, Any] = {}
-            for index, key in enumerate(keys):
-                tensors = {}
-                for model, (paths, dtype) in reads.items():
-                    path = paths[index]
-                    if path not in handles:
-                        handles[path] = files.enter_context(safe_open(path, "pt"))
-                    tensor = handles[path].get_tensor(key)
-                    tensors[model] = tensor.to(dtype or tensor.dtype)
-                yield key, tensors
+    elif not stats.add(name, base, inputs):
+        finite_inputs(name, task.base_model, base, inputs, nonfinite)
 
 
 class BackwardExecutor(Executor):
@@ -284,7 +153,7 @@ class BackwardExecutor(Executor):
     use, so about one group stays resident.
     """
 
-    def __init__(self, skip: Iterable[Task] = (), **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         position = {handle: index for index, handle in enumerate(self.schedule.tasks)}
         targets = sorted(self.targets, key=position.__getitem__)
@@ -293,10 +162,7 @@ class BackwardExecutor(Executor):
         order: list[TaskHandle] = []
         placed: set[TaskHandle] = set()
         headers: dict[str, dict[str, tuple[int, int]]] = {}
-        skip = set(skip)
         for target in reversed(targets):
-            if target.task() in skip:  # read by the caller
-                continue
             needed, pending = [], [target]
             while pending:
                 handle = pending.pop()
@@ -331,7 +197,6 @@ def collect_planned(
     `nonfinite` rule), so bad inputs fail here, before the merge writes
     anything. `inner_products`: also sum the task vectors' inner products
     (`mergekit-ram analyze`'s retention; costs a little more per group).
-    Groups made by stacking stored tensors are read as those (`Stacked`).
     """
     started = time.perf_counter()
     by_input: dict[Any, list[Any]] = {}
@@ -339,12 +204,7 @@ def collect_planned(
         by_input.setdefault(task.gather_tensors, []).append(task)
     stats = OverlapStatistics(epsilon=epsilon, inner_products=inner_products)
     math_device = torch.device(options.device or "cpu")
-    stacked, parts = Stacked(), {}
-    for gather in by_input if not inner_products else ():
-        if found := stacked.parts(gather):
-            parts[gather] = found
     executor = BackwardExecutor(
-        skip=parts,
         targets=list(by_input),
         math_device=math_device,
         storage_device=math_device if options.low_cpu_memory else "cpu",
@@ -360,13 +220,6 @@ def collect_planned(
             for task in by_input[gather]:
                 _count_task(stats, task, tensors, math_device)
             del tensors
-    # mergekit schedules the groups it builds by conversion first: walked
-    # backwards, they come last.
-    stored = [g for g in reversed(executor.forward) if g in parts]
-    for gather in tqdm.tqdm(stored, disable=options.quiet, desc=desc):
-        for key, tensors in Stacked.read(*parts[gather]):
-            for task in by_input[gather]:
-                _count_task(stats, task, tensors, math_device, key)
     # Counted backwards, kept in the merge's order: the same statistics as a
     # forward pass, down to the order analyze's float sums run in.
     stats.in_order(
@@ -497,16 +350,21 @@ def patched_plan(original):
         # A tally when some unique element may be scaled by λ ≠ 1.
         scaled = any(v not in (None, 1.0) for v in explicit.values())
         run.tally = SurvivalTally() if scaled or max(run.values["r"]) > 0 else None
-        if settings.needs_pass(explicit.keys(), explicit):
-            stats, scales = count_planned(
+        rescale = settings.needs_pass(explicit.keys(), explicit)
+        if rescale or run.inner_products:  # λ to apply, or a report asked
+            counted = count_planned(
                 merges,
                 settings,
                 explicit,
                 self.options,
                 inner_products=run.inner_products,
             )
-            run.result = Counted(settings, stats, scales)
-            self._tensors = [(w, with_scales(t, scales)) for w, t in self._tensors]
+            run.counted = Counted(settings, *counted)
+        if rescale:
+            run.result = run.counted
+            self._tensors = [
+                (w, with_scales(t, run.counted.scales)) for w, t in self._tensors
+            ]
         out_dtype = self.config.out_dtype
         self._tensors = [
             (w, as_ram_task(t, w.force_dtype or out_dtype, run))

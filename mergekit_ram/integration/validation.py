@@ -17,15 +17,12 @@ is a warning line and the merge runs as stock would.
 from __future__ import annotations
 
 import difflib
-import errno
-import json
 import os
 import re
 from collections.abc import Iterable, Iterator
 from functools import partial
 from typing import Any
 
-import torch
 import yaml
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
@@ -38,12 +35,8 @@ from mergekit.options import MergeOptions
 from pydantic import ValidationError
 
 from mergekit_ram.core.errors import Problems, RAMInputError
-from mergekit_ram.core.rule import MergeSettings, ScaleRule, unique_scale_error
-from mergekit_ram.integration.checkpoints import (
-    WEIGHT_FILES,
-    check_models,
-    regular_file,
-)
+from mergekit_ram.core.rule import MergeSettings, unique_scale_error
+from mergekit_ram.integration.checkpoints import WEIGHT_FILES, check_models
 from mergekit_ram.integration.errors import UnknownMethod
 from mergekit_ram.integration.methods import METHODS, RAMMerge, is_ours
 
@@ -149,7 +142,12 @@ def _check_models(
             )
     for label, entries, _ in lists:
         with findings.check():
-            _check_list(label, entries, base, user)
+            _check_list(label, entries, base)
+    if all(m == base for _, entries, _ in lists for m in entries):
+        findings.add(
+            f"{user} needs at least one task model besides the base model "
+            f"{base}: list the fine-tuned models to merge."
+        )
     roles = [("base_model", base)] + [
         (f"{_item(label, i)}.model", m)
         for label, e, _ in lists
@@ -170,18 +168,16 @@ def _check_models(
                 check_location(reference.model.path, role, model="model" in role)
                 if reference.lora is not None:
                     check_location(reference.lora.path, f"{role} (LoRA)")
-    with findings.check():
-        check_layer_ranges(config)
     for key in ("dtype", "out_dtype"):
         with findings.check():
             _check_dtype(key, getattr(config, key))
-    if findings.found or not local(base):
+    if findings.found:
         return
     free = bool(config.tokenizer_source or config.tokenizer)
     free = free or bool(options and options.unsafe_truncate_embeddings)
     for label, entries, _ in lists:
         check_models(
-            ("base_model", base.model.path),
+            ("base_model", base.model.path) if local(base) else None,
             [
                 (f"{_item(label, i)}.model", m.model.path)
                 for i, m in enumerate(entries)
@@ -189,6 +185,7 @@ def _check_models(
             ],
             compare=not label.endswith("]"),
             vocabulary_free=free,
+            cast=config.dtype is not None,
             read=partial(architecture_names, base, options),
         )
 
@@ -214,11 +211,9 @@ def _item(label: str, index: int) -> str:
     return f"{label}.sources[{index}]" if label.endswith("]") else f"{label}[{index}]"
 
 
-def _check_list(
-    label: str, models: list[ModelReference], base: ModelReference, user: str
-) -> None:
-    """Each model once (however spelled), a slice lists its base, and at
-    least one task model."""
+def _check_list(label: str, models: list[ModelReference], base: ModelReference) -> None:
+    """Each model once (a revision or a LoRA makes another model), and a
+    slice lists its base."""
     if label.endswith("]") and base not in models:
         raise RAMInputError(
             f"{label}: the base model {base} is not among "
@@ -232,23 +227,6 @@ def _check_list(
                 f"{_item(label, models.index(model))}. List each model once (the "
                 "base model may appear once among the models)."
             )
-    seen: dict[str, tuple[str, str]] = {}
-    for where, path in [("base_model", base.model.path)] + [
-        (_item(label, i), m.model.path) for i, m in enumerate(models) if m != base
-    ]:
-        key = os.path.realpath(path) if os.path.exists(path) else path
-        if key in seen:
-            raise RAMInputError(
-                f"{where}: {path} is the same folder as {' '.join(seen[key])} "
-                "(after resolving symlinks and '..'), so it would be counted "
-                "twice. List each model once, spelled the same way everywhere."
-            )
-        seen[key] = (where, path)
-    if all(model == base for model in models):
-        raise RAMInputError(
-            f"{user} needs at least one task model besides the base model "
-            f"{base} in {label}: list the fine-tuned models to merge."
-        )
 
 
 def _check_dtype(key: str, name: str | None) -> None:
@@ -285,26 +263,17 @@ def check_location(path: str, role: str, *, model: bool = False) -> None:
             f"{role}: {path} is a file; mergekit needs the model's directory "
             "(config.json and its weights)."
         )
-    problem = "does not exist"
     try:
-        os.stat(path)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            problem = "is (or lies under) a symlink loop"
-        elif os.path.islink(path):
-            problem = f"is a symlink to {os.readlink(path)}, which does not exist"
-        else:
-            try:
-                return validate_repo_id(path)  # a hub id: mergekit downloads it
-            except HFValidationError:
-                pass
+        return validate_repo_id(path)  # a hub id: mergekit downloads it
+    except HFValidationError:
+        pass
     relative = (
         ""
         if os.path.isabs(path)
         else f" (relative paths start from the current directory, {os.getcwd()})"
     )
     raise RAMInputError(
-        f"{role}: {path} {problem}{relative}. Fix the path, or create the model "
+        f"{role}: {path} does not exist{relative}. Fix the path, or create the model "
         "there first."
     )
 
@@ -328,28 +297,6 @@ def _check_model_folder(path: str, role: str) -> None:
             "architecture from. Copy it from the model this one was "
             "fine-tuned from, or save the model with save_pretrained."
         )
-    model_config(path, role)
-
-
-def model_config(path: str, role: str) -> dict:
-    """A local model's config.json as a mapping; mergekit reads it first."""
-    file = os.path.join(path, "config.json")
-    regular_file(file, role, path)
-    try:
-        with open(file, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        problem = " ".join(str(error).split())[:300]
-        raise RAMInputError(
-            f"{role} {path}: config.json is not valid JSON ({problem}). Fix it, "
-            "or copy the config.json of the model this one was fine-tuned from."
-        ) from None
-    if not isinstance(document, dict):
-        raise RAMInputError(
-            f"{role} {path}: config.json holds a JSON {type(document).__name__}, "
-            "not an object of settings. Save the model again with save_pretrained."
-        )
-    return document
 
 
 def architecture_names(
@@ -369,27 +316,6 @@ def architecture_names(
     for weight in weights:
         names.update((weight.name, *(weight.aliases or ()), *(weight.tied_names or ())))
     return frozenset(names) or None
-
-
-def check_layer_ranges(config: MergeConfiguration) -> None:
-    """Every top-level slice's layer_range lies within its local model's
-    layers; mergekit would fail on the first missing layer's tensor, after
-    the merge started."""
-    for index, output in enumerate(config.slices or ()):
-        for number, source in enumerate(output.sources):
-            if source.layer_range is None or not local(source.model):
-                continue
-            path = source.model.model.path
-            where = f"slices[{index}].sources[{number}]"
-            layers = model_config(path, f"{where}.model").get("num_hidden_layers")
-            start, end = source.layer_range
-            if isinstance(layers, int) and not 0 <= start < end <= layers:
-                raise RAMInputError(
-                    f"{where}.layer_range: [{start}, {end}] is outside model "
-                    f"{path}, which has {layers} layers (num_hidden_layers in its "
-                    f"config.json). A range [start, end] needs 0 ≤ start < end ≤ "
-                    f"{layers}."
-                )
 
 
 # --- keys and values ------------------------------------------------------------
@@ -480,14 +406,7 @@ def _parameters(
             )
         for value in _leaves(setting):
             try:
-                if value is EMPTY:
-                    findings.add(
-                        f"{where}: an empty list gives {key} no value, and mergekit "
-                        "would silently use the default. Write a value or remove "
-                        "the key."
-                    )
-                else:
-                    spec.validate(value)
+                spec.validate(value)
             except ValidationError as error:
                 findings.add(f"{where}: {error.errors()[0]['msg']} (got {value!r}).")
 
@@ -536,17 +455,12 @@ def _others(per_model: bool = False) -> dict[str, list[str]]:
     return names
 
 
-EMPTY = object()  # an empty list where a value belongs
-
-
 def _leaves(setting: Any) -> Iterator[Any]:
     """The scalar values a written setting holds (inside filters and
-    gradients), EMPTY for an empty list."""
+    gradients)."""
     if isinstance(setting, dict):
         yield from _leaves(setting.get("value"))
     elif isinstance(setting, list):
-        if not setting:
-            yield EMPTY
         for item in setting:
             yield from _leaves(item)
     else:
@@ -636,7 +550,7 @@ def check_plan(
     findings = findings or Findings()
     result = None
     with findings.check():
-        result = planned_settings(merges)
+        result = planned_settings(merges, findings.written)
     values = resolved_values(merges)
     for key, partner, value, what, refused in ONLY_WITH:
         if key in findings.written and value not in values.get(partner, ()):
@@ -647,18 +561,27 @@ def check_plan(
                 f"{value}' next to it, or remove {key}."
             )
             findings.add(message) if refused else findings.warn(message)
-    with findings.check():
-        _check_range(merges)
+    if values.get("r") == {0.0}:
+        for key in ("alpha", "saturation", "statistics"):
+            if key in findings.written:
+                findings.warn(
+                    f"{findings.written[key]}: with r = 0 every λ is 1 (plain "
+                    f"RAM), so {key} has no effect and is ignored. Set r > 0 "
+                    f"(RAM+) to use it, or remove {key}."
+                )
     findings.raise_any()
     findings.emit()
     return result
 
 
-def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
+def planned_settings(
+    merges: list[Any], written: dict[str, str] | None = None
+) -> tuple[MergeSettings, dict[Any, Any]]:
     """The merge's scalar settings and each task model's explicit
-    `unique_scale`, which must be one value per model."""
+    `unique_scale`, which must be one value per model (`written`: where the
+    user wrote each setting, for the message)."""
     settings = MergeSettings.from_parameters(
-        (task.output_weight.name, task.parameters) for task in merges
+        ((task.output_weight.name, task.parameters) for task in merges), written
     )
     found: dict[Any, tuple] = {}
     for task in merges:
@@ -674,26 +597,3 @@ def planned_settings(merges: list[Any]) -> tuple[MergeSettings, dict[Any, Any]]:
                     f"{task.output_weight.name}",
                 )
     return settings, {model: value for model, (value, _) in found.items()}
-
-
-FLOAT32_MAX = torch.finfo(torch.float32).max  # the kernel computes in float32
-
-
-def _check_range(merges: Iterable[Any]) -> None:
-    """λ must fit the output dtype (and float32, the kernel's): a λ beyond it
-    turns every unique element into ±Inf."""
-    for task in merges:
-        name = task.out_dtype or task.dtype or "float32"
-        params = task.parameters
-        rule = ScaleRule(params["r"], params["alpha"], params["saturation"])
-        scales = [p.get("unique_scale") for p in task.input_parameters.values()]
-        top = max([rule.limit(), *(s for s in scales if s is not None)])
-        limit = min(torch.finfo(dtype_from_name(name)).max, FLOAT32_MAX)
-        if top > limit:
-            raise RAMInputError(
-                f"r = {params['r']:g} with alpha = {params['alpha']:g} (or a "
-                f"unique_scale) allows λ up to {top:g}, beyond the largest {name} "
-                f"value the output can hold ({limit:g}): every element that one "
-                "task model alone changes would be written as ±Inf. Lower r, "
-                "alpha or unique_scale, or write a wider dtype (out_dtype)."
-            )

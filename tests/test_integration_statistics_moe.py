@@ -1,11 +1,10 @@
 """Global RAM+ on MoE checkpoints saved one expert per tensor.
 
 mergekit plans the experts fused (`mlp.experts.gate_up_proj`, ...) and builds
-each fused tensor from the stored ones as it reads; the statistics pass counts
-the stored tensors instead (integration.statistics.Stacked). Its counts must
-be the fused tensors': the same ram_statistics.json and output bytes as the
-same weights saved fused (which mergekit reads by name), and as the pass run
-through mergekit's own load.
+each fused tensor from the stored ones as it reads; the statistics pass reads
+them through mergekit's own load, as the merge does. Its counts must be the
+fused tensors': the same ram_statistics.json and output bytes as the same
+weights saved fused (which mergekit reads by name).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import merge, read_json
-from mergekit.io import tasks as mergekit_tasks
 from safetensors.torch import load_file, save_file
 from transformers import MixtralConfig, Qwen3MoeConfig
 
@@ -31,20 +29,21 @@ DENSITIES = (0.05, 0.3, 0.6)
 # model type: ((config class, architecture), the stored names of expert e's
 # gate, up and down projections and of the router, "|"-separated, and the
 # layer's other tensors of that type)
+MIXTRAL = "|".join(f"block_sparse_moe.experts.{{e}}.w{i}" for i in (1, 3, 2))
+QWEN = "|".join(f"mlp.experts.{{e}}.{p}_proj" for p in ("gate", "up", "down"))
+NORMS = {"self_attn.q_norm": (HEAD,), "self_attn.k_norm": (HEAD,)}
 KINDS = {
     "mixtral": (
         (MixtralConfig, "MixtralForCausalLM"),
-        "block_sparse_moe.experts.{e}.w1|block_sparse_moe.experts.{e}.w3"
-        "|block_sparse_moe.experts.{e}.w2|block_sparse_moe.gate",
+        MIXTRAL + "|block_sparse_moe.gate",
         {},
-    ),
-    "qwen3_moe": (
-        (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
-        "mlp.experts.{e}.gate_proj|mlp.experts.{e}.up_proj"
-        "|mlp.experts.{e}.down_proj|mlp.gate",
-        {"self_attn.q_norm": (HEAD,), "self_attn.k_norm": (HEAD,)},
-    ),
+    )
 }
+KINDS["qwen3_moe"] = (
+    (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    QWEN + "|mlp.gate",
+    NORMS,
+)
 
 
 def stored_state(kind: str, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -52,23 +51,20 @@ def stored_state(kind: str, generator: torch.Generator) -> dict[str, torch.Tenso
     _config, names, extra = KINDS[kind]
     gate, up, down, router = names.split("|")
     shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    for layer in range(LAYERS):
-        p = f"model.layers.{layer}."
-        layer_shapes = {
-            "input_layernorm": (HIDDEN,),
-            "post_attention_layernorm": (HIDDEN,),
-            "self_attn.q_proj": (HIDDEN, HIDDEN),
-            "self_attn.k_proj": (KV * HEAD, HIDDEN),
-            "self_attn.v_proj": (KV * HEAD, HIDDEN),
-            "self_attn.o_proj": (HIDDEN, HIDDEN),
-            router: (EXPERTS, HIDDEN),
-            **extra,
+    layer_shapes = {"input_layernorm": (HIDDEN,), "post_attention_layernorm": (HIDDEN,)}
+    rows = {"q": HIDDEN, "k": KV * HEAD, "v": KV * HEAD, "o": HIDDEN}
+    layer_shapes |= {f"self_attn.{x}_proj": (n, HIDDEN) for x, n in rows.items()}
+    layer_shapes |= {router: (EXPERTS, HIDDEN), **extra}
+    for e in range(EXPERTS):
+        layer_shapes |= {
+            gate.format(e=e): (INTER, HIDDEN),
+            up.format(e=e): (INTER, HIDDEN),
         }
-        for e in range(EXPERTS):
-            layer_shapes[gate.format(e=e)] = (INTER, HIDDEN)
-            layer_shapes[up.format(e=e)] = (INTER, HIDDEN)
-            layer_shapes[down.format(e=e)] = (HIDDEN, INTER)
-        shapes.update({f"{p}{k}.weight": v for k, v in layer_shapes.items()})
+        layer_shapes[down.format(e=e)] = (HIDDEN, INTER)
+    for layer in range(LAYERS):
+        shapes |= {
+            f"model.layers.{layer}.{k}.weight": v for k, v in layer_shapes.items()
+        }
     shapes.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
     return {k: torch.randn(v, generator=generator) * 0.02 for k, v in shapes.items()}
 
@@ -124,19 +120,19 @@ def build(root: Path, kind: str, layout: str, nan: str | None = None) -> dict:
             state = fused(kind, state)
         state = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        sizes = dict(
+            intermediate_size=INTER, moe_intermediate_size=INTER, head_dim=HEAD
+        )
+        sizes |= dict(
+            num_local_experts=EXPERTS, num_experts=EXPERTS, hidden_size=HIDDEN
+        )
+        sizes |= dict(num_attention_heads=HEADS, num_key_value_heads=KV)
         config_class(
             vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=INTER,
-            moe_intermediate_size=INTER,
             num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            num_key_value_heads=KV,
-            head_dim=HEAD,
-            num_local_experts=EXPERTS,
-            num_experts=EXPERTS,
             tie_word_embeddings=False,
             architectures=[architecture],
+            **sizes,
         ).save_pretrained(str(path))
         paths[model] = str(path)
     return {
@@ -146,19 +142,6 @@ def build(root: Path, kind: str, layout: str, nan: str | None = None) -> dict:
         "dtype": "bfloat16",
         "parameters": {"r": 0.3, "alpha": 1.0},
     }
-
-
-def conversions(monkeypatch) -> list[str]:
-    """The targets mergekit's loads build by conversion, from now on."""
-    calls: list[str] = []
-    convert = mergekit_tasks.convert_checkpoint_tensors
-
-    def counted(model_type, sources, target):
-        calls.append(target)
-        return convert(model_type, sources, target)
-
-    monkeypatch.setattr(mergekit_tasks, "convert_checkpoint_tensors", counted)
-    return calls
 
 
 def outcome(out: Path) -> tuple[dict, bytes]:
@@ -171,19 +154,11 @@ def outcome(out: Path) -> tuple[dict, bytes]:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_per_expert_checkpoint_counts_as_fused(kind, tmp_path, monkeypatch):
+def test_per_expert_checkpoint_counts_as_fused(kind, tmp_path):
     fused_config = build(tmp_path / "fused", kind, "fused")
     stored_config = build(tmp_path / "stored", kind, "stored")
     expected = outcome(run(fused_config, tmp_path / "out-fused"))
-
-    calls = conversions(monkeypatch)
-    ram = {**stored_config, "merge_method": "ram", "parameters": None}
-    run(ram, tmp_path / "out-ram")
-    merged_by_ram = len(calls)
-    assert merged_by_ram >= 2 * LAYERS  # mergekit fuses the experts as it reads
     document, weights = outcome(run(stored_config, tmp_path / "out-stored"))
-    # The pass built no fused tensor: only the merge did, as for `ram`.
-    assert len(calls) == 2 * merged_by_ram
     assert document == expected[0]
     assert weights == expected[1]
     # Each fused tensor counted once, with all its elements.
@@ -194,19 +169,13 @@ def test_per_expert_checkpoint_counts_as_fused(kind, tmp_path, monkeypatch):
     assert all(row["unique"] and row["shared"] for row in rows)
     assert len({row["scale"] for row in rows}) > 1  # λ follows the counts
 
-    # Through mergekit's own load, the pass finds the same.
-    monkeypatch.setattr(statistics.Stacked, "parts", lambda self, gather: None)
-    del calls[:]
-    again = outcome(run(stored_config, tmp_path / "out-mergekit"))
-    assert len(calls) == 2 * merged_by_ram
-    assert again == (document, weights)
 
-
-def test_nan_in_one_stored_expert_is_refused_naming_it(tmp_path):
+def test_nan_in_one_stored_expert_is_refused_naming_the_fused_tensor(tmp_path):
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
     config = build(tmp_path, "qwen3_moe", "stored", nan=name)
+    fused_name = "model.layers.1.mlp.experts.gate_up_proj"
     with pytest.raises(
-        RAMInputError, match=rf"Tensor {name} of model .*agent2 has 1 NaN"
+        RAMInputError, match=rf"Tensor {fused_name} of model .*agent2 has 1 NaN"
     ):
         run(config, tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
@@ -220,8 +189,5 @@ def test_ignored_nan_in_one_stored_expert_counts_as_fused(tmp_path):
         config["parameters"]["nonfinite"] = "ignore"
         found.append(outcome(run(config, tmp_path / f"out-{layout}")))
     assert found[0] == found[1]
-    assert not torch.isnan(
-        load_file(str(tmp_path / "out-stored" / "model.safetensors"))[
-            "model.layers.1.mlp.experts.gate_up_proj"
-        ]
-    ).any()
+    written = load_file(str(tmp_path / "out-stored" / "model.safetensors"))
+    assert not written["model.layers.1.mlp.experts.gate_up_proj"].isnan().any()
