@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,14 +103,10 @@ def retention(
     if not stats.inner_products:
         return None
     rule, local = settings.rule, settings.statistics == "tensor"
-
-    def lam(counts: Mapping[Hashable, TaskCounts]) -> dict[Hashable, float]:
-        """λ from `counts` (as OverlapStatistics.scales), explicit where set."""
-        return {t: rule.scale(c.shared, c.unique) for t, c in counts.items()} | explicit
-
+    whole = stats.scales(rule, explicit)  # the same λ for every tensor
     groups = [
-        (products, lam(stats.per_tensor[name] if local else stats.tasks))
-        for name, products in stats.products.items()
+        (sums, stats.scales(rule, explicit, stats.per_tensor[n]) if local else whole)
+        for n, sums in stats.products.items()
     ]
     by_method = retentions(groups, list(stats.tasks))
     return {t: {m: values[t] for m, values in by_method.items()} for t in stats.tasks}

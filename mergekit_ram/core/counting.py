@@ -207,13 +207,18 @@ class OverlapStatistics:
                 self.tasks.setdefault(task_id, TaskCounts()).add(counts)
 
     def scales(
-        self, rule: ScaleRule, explicit: Mapping[Hashable, float | None] | None = None
+        self,
+        rule: ScaleRule,
+        explicit: Mapping[Hashable, float | None] | None = None,
+        counts: Mapping[Hashable, TaskCounts] | None = None,
     ) -> dict[Hashable, float]:
-        """Global λ per task from the whole-model totals.
+        """λ per task from the whole-model totals (or from `counts`: one
+        tensor's, for tensor-local λ).
 
         A task's explicit (non-None) value replaces its computed λ.
         """
-        scales = {t: rule.scale(c.shared, c.unique) for t, c in self.tasks.items()}
+        counts = self.tasks if counts is None else counts
+        scales = {t: rule.scale(c.shared, c.unique) for t, c in counts.items()}
         return scales | {t: v for t, v in (explicit or {}).items() if v is not None}
 
 

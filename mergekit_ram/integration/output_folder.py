@@ -413,11 +413,12 @@ def staged_merge(
                     os.rmdir(folder)
             if isinstance(error, RAMInputError):
                 raise  # the user's input: it says so already
+            cause = error  # kept as the cause: the traceback shows what failed
             written = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(error))
             if isinstance(error, SafetensorError) and written:  # its writer's OSError
                 error = OSError(int(written[2]), written[1])
             if isinstance(error, OSError):  # the user's environment
-                raise _stopped(error, out_path, where) from error
+                raise _stopped(error, out_path, where) from cause
             if isinstance(error, KeyboardInterrupt):
                 said = "Ctrl-C"
             elif isinstance(error, Interrupted):

@@ -20,6 +20,7 @@ import difflib
 import os
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -263,10 +264,8 @@ def check_location(path: str, role: str, *, model: bool = False) -> None:
             f"{role}: {path} is a file; mergekit needs the model's directory "
             "(config.json and its weights)."
         )
-    try:
+    with suppress(HFValidationError):
         return validate_repo_id(path)  # a hub id: mergekit downloads it
-    except HFValidationError:
-        pass
     relative = (
         ""
         if os.path.isabs(path)
